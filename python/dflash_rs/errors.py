@@ -1,0 +1,54 @@
+"""Exceptions raised by dflash-rs.
+
+Every error derives from :class:`DFlashRsError`, and also from the builtin a caller would catch
+(``ValueError``, ``KeyError``, ``RuntimeError``), so ``except ValueError`` keeps working.
+A failed call leaves every structure as it was.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DFlashRsError",
+    "DuplicateRequestError",
+    "InvalidArgumentError",
+    "InvariantError",
+    "OutOfBlocksError",
+    "PromptTooLongError",
+    "SchedulerStateError",
+    "UnknownRequestError",
+]
+
+
+class DFlashRsError(Exception):
+    """Base class of every dflash-rs error."""
+
+
+class InvalidArgumentError(DFlashRsError, ValueError):
+    """An argument is out of range or inconsistent with the others."""
+
+
+class UnknownRequestError(DFlashRsError, KeyError):
+    """A request id is not known."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateRequestError(DFlashRsError, ValueError):
+    """A request id is already in use."""
+
+
+class PromptTooLongError(DFlashRsError, ValueError):
+    """A prompt or sequence does not fit ``max_model_len``."""
+
+
+class OutOfBlocksError(DFlashRsError, RuntimeError):
+    """The block pool cannot serve a request that must be served."""
+
+
+class SchedulerStateError(DFlashRsError, RuntimeError):
+    """A call does not fit the current state (e.g. a model output applied twice)."""
+
+
+class InvariantError(DFlashRsError, AssertionError):
+    """An internal invariant is broken: a bug in dflash-rs. Please report it."""

@@ -1,0 +1,1 @@
+"""Triton kernels of dflash-rs (importable as ``dflash_rs.kernels``)."""

@@ -1,0 +1,291 @@
+//! The block pool: ref counts, the free queue and the prefix-cache map.
+//!
+//! Block 0 is the null block: never allocated, hashed or freed, so usable = `num_blocks - 1`.
+//! A freed block keeps its hash and stays in the prefix map as an eviction candidate until it is
+//! popped for reuse (which evicts the hash) or adopted again through [`BlockPool::touch`].
+
+use crate::error::{broken, invalid, CoreError, CoreResult};
+use crate::free_queue::FreeQueue;
+use crate::hashing::BlockHash;
+use crate::prefix_map::PrefixMap;
+
+/// The reserved null block.
+pub const NULL_BLOCK: u32 = 0;
+
+/// Fixed set of KV-cache blocks with ref counts, a free queue in eviction order and a prefix map.
+#[derive(Debug, Clone)]
+pub struct BlockPool {
+    ref_cnt: Vec<u32>,
+    /// Hash of each block while it is registered in the prefix map.
+    block_hash: Vec<Option<BlockHash>>,
+    free: FreeQueue,
+    prefix: PrefixMap,
+    enable_caching: bool,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` blocks (block 0 reserved). Needs at least 2 blocks.
+    pub fn new(num_blocks: usize, enable_caching: bool) -> CoreResult<Self> {
+        if num_blocks < 2 {
+            return Err(invalid!("num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}"));
+        }
+        if num_blocks >= u32::MAX as usize - 2 {
+            return Err(invalid!("num_blocks {num_blocks} is too large"));
+        }
+        Ok(Self {
+            ref_cnt: vec![0; num_blocks],
+            block_hash: vec![None; num_blocks],
+            free: FreeQueue::new(num_blocks, 1..num_blocks as u32),
+            prefix: PrefixMap::default(),
+            enable_caching,
+        })
+    }
+
+    /// Total blocks including the null block.
+    pub fn num_blocks(&self) -> usize {
+        self.ref_cnt.len()
+    }
+
+    /// Blocks that can ever be allocated (`num_blocks - 1`).
+    pub fn num_usable_blocks(&self) -> usize {
+        self.ref_cnt.len() - 1
+    }
+
+    /// Blocks in the free queue (free or evictable cached).
+    pub fn num_free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Fraction of usable blocks in use, in [0, 1].
+    pub fn usage(&self) -> f64 {
+        1.0 - self.free.len() as f64 / self.num_usable_blocks() as f64
+    }
+
+    /// Whether the prefix cache is on.
+    pub fn caching_enabled(&self) -> bool {
+        self.enable_caching
+    }
+
+    /// Ref count of `block`.
+    pub fn ref_count(&self, block: u32) -> u32 {
+        self.ref_cnt[block as usize]
+    }
+
+    /// Hash of `block`, if it is registered in the prefix cache.
+    pub fn block_hash(&self, block: u32) -> Option<&BlockHash> {
+        self.block_hash[block as usize].as_ref()
+    }
+
+    /// Number of (hash, block) registrations in the prefix cache.
+    pub fn num_cached_blocks(&self) -> usize {
+        self.prefix.num_blocks()
+    }
+
+    /// Free blocks from next-reused to last-reused.
+    pub fn free_block_ids(&self) -> Vec<u32> {
+        self.free.iter().collect()
+    }
+
+    /// The cached block for `hash`, if any.
+    pub fn get_cached_block(&self, hash: &BlockHash) -> Option<u32> {
+        if !self.enable_caching {
+            return None;
+        }
+        self.prefix.get_one(hash)
+    }
+
+    /// Pops `n` blocks from the head of the free queue, evicting their hashes, with ref count 1.
+    /// Appends them to `out` in pop order. Fails without change if fewer than `n` are free.
+    pub fn get_new_blocks(&mut self, n: usize, out: &mut Vec<u32>) -> CoreResult<()> {
+        if n > self.free.len() {
+            return Err(CoreError::OutOfBlocks(format!(
+                "cannot get {n} blocks: only {} free",
+                self.free.len()
+            )));
+        }
+        out.reserve(n);
+        for _ in 0..n {
+            let Some(b) = self.free.pop_front() else {
+                return Err(broken!("free queue shorter than its length"));
+            };
+            self.evict_hash(b);
+            self.ref_cnt[b as usize] = 1;
+            out.push(b);
+        }
+        Ok(())
+    }
+
+    /// Adopts prefix-cache hits: free ones leave the free queue; every ref count goes up by one.
+    pub fn touch(&mut self, blocks: &[u32]) {
+        for &b in blocks {
+            if b == NULL_BLOCK {
+                continue;
+            }
+            if self.ref_cnt[b as usize] == 0 {
+                self.free.remove(b);
+            }
+            self.ref_cnt[b as usize] += 1;
+        }
+    }
+
+    /// Drops one reference from each block, in the given order; blocks that reach zero join the
+    /// tail of the free queue in that order (their hashes are kept).
+    pub fn free_blocks(&mut self, blocks: impl IntoIterator<Item = u32>) {
+        for b in blocks {
+            if b == NULL_BLOCK {
+                continue;
+            }
+            let rc = &mut self.ref_cnt[b as usize];
+            debug_assert!(*rc > 0, "double free of block {b}");
+            *rc = rc.saturating_sub(1);
+            if *rc == 0 {
+                self.free.push_back(b);
+            }
+        }
+    }
+
+    /// Registers `blocks[i]` under `hashes[i]` for every pair (blocks must hold no hash yet).
+    pub fn cache_full_blocks(&mut self, blocks: &[u32], hashes: &[BlockHash]) {
+        if !self.enable_caching {
+            return;
+        }
+        debug_assert_eq!(blocks.len(), hashes.len());
+        for (&b, h) in blocks.iter().zip(hashes) {
+            if b == NULL_BLOCK {
+                continue;
+            }
+            debug_assert!(self.block_hash[b as usize].is_none(), "block {b} is already hashed");
+            self.block_hash[b as usize] = Some(*h);
+            self.prefix.insert(*h, b);
+        }
+    }
+
+    /// Evicts `block`'s hash from the prefix cache if it is registered; returns whether it was.
+    pub fn evict_hash(&mut self, block: u32) -> bool {
+        match self.block_hash[block as usize].take() {
+            Some(h) => self.prefix.pop(&h, block),
+            None => false,
+        }
+    }
+
+    /// Empties the prefix cache. Fails (returns false, changes nothing) while any block is held.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.free.len() != self.num_usable_blocks() {
+            return false;
+        }
+        self.prefix.clear();
+        self.block_hash.iter_mut().for_each(|h| *h = None);
+        true
+    }
+
+    /// Checks the pool's own invariants; `holders[b]` is how many requests list block `b`
+    /// (pass `None` to skip the ref-count cross-check).
+    pub fn check_invariants(&self, holders: Option<&[u32]>) -> CoreResult<()> {
+        let n = self.num_blocks();
+        if self.ref_cnt[NULL_BLOCK as usize] != 0 || self.free.contains(NULL_BLOCK) {
+            return Err(broken!("null block is referenced or free"));
+        }
+        if self.block_hash[NULL_BLOCK as usize].is_some() {
+            return Err(broken!("null block is hashed"));
+        }
+        let mut seen = vec![false; n];
+        let mut count = 0;
+        for b in self.free.iter() {
+            if seen[b as usize] {
+                return Err(broken!("block {b} appears twice in the free queue"));
+            }
+            seen[b as usize] = true;
+            count += 1;
+        }
+        if count != self.free.len() {
+            return Err(broken!("free queue length {} != linked blocks {count}", self.free.len()));
+        }
+        let mut used = 0;
+        for b in 1..n {
+            let rc = self.ref_cnt[b];
+            if seen[b] == (rc > 0) {
+                return Err(broken!("block {b}: ref count {rc} but in free queue = {}", seen[b]));
+            }
+            if rc > 0 {
+                used += 1;
+            }
+            if let Some(holders) = holders {
+                if holders[b] != rc {
+                    return Err(broken!("block {b}: ref count {rc} != holders {}", holders[b]));
+                }
+            }
+            match &self.block_hash[b] {
+                Some(h) if !self.prefix.contains(h, b as u32) => {
+                    return Err(broken!("block {b} has a hash but is not in the prefix map"))
+                }
+                _ => {}
+            }
+        }
+        if used + self.free.len() != self.num_usable_blocks() {
+            return Err(broken!(
+                "used {used} + free {} != usable {}",
+                self.free.len(),
+                self.num_usable_blocks()
+            ));
+        }
+        for (h, b) in self.prefix.iter() {
+            if self.block_hash[b as usize].as_ref() != Some(h) {
+                return Err(broken!("prefix map lists block {b} under a hash it does not carry"));
+            }
+        }
+        if self.prefix.num_blocks() != self.block_hash.iter().filter(|h| h.is_some()).count() {
+            return Err(broken!("prefix map size differs from the number of hashed blocks"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn null_block_is_never_handed_out() {
+        let mut pool = BlockPool::new(4, true).unwrap();
+        assert_eq!(pool.num_usable_blocks(), 3);
+        let mut out = Vec::new();
+        pool.get_new_blocks(3, &mut out).unwrap();
+        assert_eq!(out, [1, 2, 3]);
+        assert!(pool.get_new_blocks(1, &mut out).is_err());
+        assert_eq!(out.len(), 3, "a failed get leaves the output untouched");
+        pool.check_invariants(None).unwrap();
+    }
+
+    #[test]
+    fn freed_hashed_block_is_reused_through_touch() {
+        let mut pool = BlockPool::new(4, true).unwrap();
+        let mut out = Vec::new();
+        pool.get_new_blocks(2, &mut out).unwrap();
+        pool.cache_full_blocks(&out[..1], &[[7; 32]]);
+        pool.free_blocks(out.iter().rev().copied());
+        assert_eq!(pool.free_block_ids(), [3, 2, 1]);
+        assert_eq!(pool.get_cached_block(&[7; 32]), Some(1));
+        pool.touch(&[1]);
+        assert_eq!(pool.free_block_ids(), [3, 2]);
+        assert_eq!(pool.ref_count(1), 1);
+        pool.check_invariants(None).unwrap();
+        assert!(!pool.reset_prefix_cache());
+        pool.free_blocks([1]);
+        assert!(pool.reset_prefix_cache());
+        assert_eq!(pool.get_cached_block(&[7; 32]), None);
+        pool.check_invariants(None).unwrap();
+    }
+
+    #[test]
+    fn reuse_evicts_the_hash() {
+        let mut pool = BlockPool::new(2, true).unwrap();
+        let mut out = Vec::new();
+        pool.get_new_blocks(1, &mut out).unwrap();
+        pool.cache_full_blocks(&out, &[[1; 32]]);
+        pool.free_blocks(out.clone());
+        out.clear();
+        pool.get_new_blocks(1, &mut out).unwrap();
+        assert_eq!(pool.block_hash(1), None);
+        assert_eq!(pool.get_cached_block(&[1; 32]), None);
+    }
+}

@@ -1,0 +1,46 @@
+//! The one error type of the core. The bindings map each variant to a Python exception.
+
+use thiserror::Error;
+
+/// Everything that can go wrong in the core. Every fallible public call returns this and leaves
+/// the state it was given unchanged.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum CoreError {
+    /// An argument is out of range or inconsistent (maps to `ValueError`).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// A request id is not known (maps to `KeyError`).
+    #[error("unknown request id {0:?}")]
+    UnknownRequest(String),
+    /// A request id is already in use (maps to `DuplicateRequestError`).
+    #[error("request id {0:?} is already in use")]
+    DuplicateRequest(String),
+    /// A prompt or sequence does not fit the model's context (maps to `PromptTooLongError`).
+    #[error("{0}")]
+    TooLong(String),
+    /// The pool cannot serve a request that must be served (maps to `OutOfBlocksError`).
+    #[error("{0}")]
+    OutOfBlocks(String),
+    /// A call does not fit the object's current state, e.g. a model output applied twice
+    /// (maps to `StateError`).
+    #[error("{0}")]
+    State(String),
+    /// An internal invariant is broken: a bug in dflash-rs (maps to `InvariantError`).
+    #[error("invariant violated: {0}")]
+    Invariant(String),
+}
+
+/// Result alias of the core.
+pub type CoreResult<T> = Result<T, CoreError>;
+
+/// Shorthand for an `InvalidArgument` error built with `format!`.
+macro_rules! invalid {
+    ($($arg:tt)*) => { $crate::error::CoreError::InvalidArgument(format!($($arg)*)) };
+}
+pub(crate) use invalid;
+
+/// Shorthand for an `Invariant` error built with `format!`.
+macro_rules! broken {
+    ($($arg:tt)*) => { $crate::error::CoreError::Invariant(format!($($arg)*)) };
+}
+pub(crate) use broken;

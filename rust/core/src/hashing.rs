@@ -1,0 +1,244 @@
+//! Chained block hashes for the prefix cache.
+//!
+//! `hash_i = H(hash_{i-1} || tokens_i || extra_i)`, with `hash_{-1}` the hasher's root (derived from
+//! a seed). The byte encoding is length-prefixed and tagged so that no two different inputs share
+//! bytes. Extra keys: the LoRA name (every block) and the cache salt (first block only), so
+//! tenants with different salts or adapters never share a block.
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{invalid, CoreResult};
+
+/// Width of a block hash in bytes. SHA-256 and BLAKE3 fill all of it; XXH3-128 fills the first 16.
+pub const HASH_BYTES: usize = 32;
+
+/// A block's chained hash.
+pub type BlockHash = [u8; HASH_BYTES];
+
+/// Hash function behind the prefix cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HashAlgo {
+    /// SHA-256 (default): cryptographic, safe when tenants share the prefix cache.
+    Sha256,
+    /// BLAKE3 keyed with the hasher's root: cryptographic and faster than SHA-256.
+    Blake3,
+    /// XXH3-128: fast, not cryptographic. Only for single-tenant deployments.
+    Xxh3_128,
+}
+
+impl HashAlgo {
+    /// Parses a name as the Python API spells it.
+    pub fn from_name(name: &str) -> CoreResult<Self> {
+        match name {
+            "sha256" => Ok(Self::Sha256),
+            "blake3" => Ok(Self::Blake3),
+            "xxh3_128" | "xxhash" => Ok(Self::Xxh3_128),
+            other => Err(invalid!(
+                "unknown hash_algo {other:?}; expected one of \"sha256\", \"blake3\", \"xxh3_128\""
+            )),
+        }
+    }
+
+    /// The canonical name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sha256 => "sha256",
+            Self::Blake3 => "blake3",
+            Self::Xxh3_128 => "xxh3_128",
+        }
+    }
+}
+
+/// Extra keys mixed into block hashes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExtraKeys {
+    /// LoRA adapter name; part of every block's hash.
+    pub lora_name: Option<String>,
+    /// Per-tenant cache salt; part of the first block's hash (and so of every later one).
+    pub cache_salt: Option<String>,
+}
+
+const TAG_LORA: u8 = 1;
+const TAG_SALT: u8 = 2;
+
+/// Computes chained block hashes with one algorithm and root.
+#[derive(Debug, Clone)]
+pub struct BlockHasher {
+    algo: HashAlgo,
+    root: BlockHash,
+    block_size: usize,
+}
+
+impl BlockHasher {
+    /// A hasher whose root is derived from `seed` (equal seeds give equal hashes).
+    pub fn new(algo: HashAlgo, block_size: usize, seed: &[u8]) -> Self {
+        let mut root = [0u8; HASH_BYTES];
+        root.copy_from_slice(&Sha256::digest([b"dflash-rs/root/v1:".as_slice(), seed].concat()));
+        Self { algo, root, block_size }
+    }
+
+    /// The algorithm in use.
+    pub fn algo(&self) -> HashAlgo {
+        self.algo
+    }
+
+    /// Tokens per hashed block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Hash of one full block given its parent's hash (None for the first block).
+    pub fn hash_block(
+        &self,
+        parent: Option<&BlockHash>,
+        tokens: &[u32],
+        extra: &ExtraKeys,
+        is_first_block: bool,
+    ) -> BlockHash {
+        let parent = parent.unwrap_or(&self.root);
+        let salt = if is_first_block { extra.cache_salt.as_deref() } else { None };
+        match self.algo {
+            HashAlgo::Sha256 => {
+                let mut h = Sha256::new();
+                feed(|b| h.update(b), parent, tokens, extra.lora_name.as_deref(), salt);
+                h.finalize().into()
+            }
+            HashAlgo::Blake3 => {
+                let mut h = blake3::Hasher::new_keyed(&self.root);
+                feed(
+                    |b| {
+                        h.update(b);
+                    },
+                    parent,
+                    tokens,
+                    extra.lora_name.as_deref(),
+                    salt,
+                );
+                *h.finalize().as_bytes()
+            }
+            HashAlgo::Xxh3_128 => {
+                let mut h = xxhash_rust::xxh3::Xxh3::new();
+                feed(|b| h.update(b), parent, tokens, extra.lora_name.as_deref(), salt);
+                let mut out = [0u8; HASH_BYTES];
+                out[..16].copy_from_slice(&h.digest128().to_le_bytes());
+                out
+            }
+        }
+    }
+
+    /// Appends the hashes of every full block of `tokens` not yet in `hashes`.
+    pub fn extend_hashes(&self, hashes: &mut Vec<BlockHash>, tokens: &[u32], extra: &ExtraKeys) {
+        let num_full = tokens.len() / self.block_size;
+        hashes.reserve(num_full.saturating_sub(hashes.len()));
+        for i in hashes.len()..num_full {
+            let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
+            let parent = if i == 0 { None } else { Some(&hashes[i - 1]) };
+            let h = self.hash_block(parent, block, extra, i == 0);
+            hashes.push(h);
+        }
+    }
+}
+
+/// Feeds the canonical encoding of one block to a hash state: parent, token count and tokens
+/// (u32 little endian), then tagged, length-prefixed extra keys.
+fn feed(
+    mut update: impl FnMut(&[u8]),
+    parent: &BlockHash,
+    tokens: &[u32],
+    lora_name: Option<&str>,
+    cache_salt: Option<&str>,
+) {
+    update(parent);
+    update(&(tokens.len() as u32).to_le_bytes());
+    // Tokens go through a stack buffer so the hash sees one contiguous run per chunk.
+    let mut buf = [0u8; 256];
+    for chunk in tokens.chunks(64) {
+        for (i, t) in chunk.iter().enumerate() {
+            buf[i * 4..i * 4 + 4].copy_from_slice(&t.to_le_bytes());
+        }
+        update(&buf[..chunk.len() * 4]);
+    }
+    for (tag, value) in [(TAG_LORA, lora_name), (TAG_SALT, cache_salt)] {
+        if let Some(v) = value {
+            update(&[tag]);
+            update(&(v.len() as u32).to_le_bytes());
+            update(v.as_bytes());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hasher(algo: HashAlgo) -> BlockHasher {
+        BlockHasher::new(algo, 4, b"test")
+    }
+
+    #[test]
+    fn chain_depends_on_every_earlier_token() {
+        for algo in [HashAlgo::Sha256, HashAlgo::Blake3, HashAlgo::Xxh3_128] {
+            let h = hasher(algo);
+            let extra = ExtraKeys::default();
+            let mut a = Vec::new();
+            h.extend_hashes(&mut a, &[1, 2, 3, 4, 5, 6, 7, 8, 9], &extra);
+            assert_eq!(a.len(), 2, "only full blocks are hashed");
+            let mut b = Vec::new();
+            h.extend_hashes(&mut b, &[0, 2, 3, 4, 5, 6, 7, 8], &extra);
+            assert_ne!(a[0], b[0]);
+            assert_ne!(a[1], b[1], "second block differs through the chain");
+        }
+    }
+
+    #[test]
+    fn incremental_equals_batch() {
+        let h = hasher(HashAlgo::Sha256);
+        let extra = ExtraKeys { lora_name: Some("l".into()), cache_salt: Some("s".into()) };
+        let tokens: Vec<u32> = (0..23).collect();
+        let mut batch = Vec::new();
+        h.extend_hashes(&mut batch, &tokens, &extra);
+        let mut inc = Vec::new();
+        for n in 0..=tokens.len() {
+            h.extend_hashes(&mut inc, &tokens[..n], &extra);
+        }
+        assert_eq!(batch, inc);
+    }
+
+    #[test]
+    fn salt_and_lora_separate_tenants() {
+        let h = hasher(HashAlgo::Sha256);
+        let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
+        let base = ExtraKeys::default();
+        let salted = ExtraKeys { cache_salt: Some("a".into()), ..Default::default() };
+        let salted_b = ExtraKeys { cache_salt: Some("b".into()), ..Default::default() };
+        let lora = ExtraKeys { lora_name: Some("a".into()), ..Default::default() };
+        let mut all = Vec::new();
+        for extra in [&base, &salted, &salted_b, &lora] {
+            let mut v = Vec::new();
+            h.extend_hashes(&mut v, &tokens, extra);
+            all.push(v);
+        }
+        for i in 0..all.len() {
+            for j in i + 1..all.len() {
+                assert_ne!(all[i][0], all[j][0]);
+                assert_ne!(all[i][1], all[j][1]);
+            }
+        }
+    }
+
+    #[test]
+    fn seed_changes_root() {
+        let a = BlockHasher::new(HashAlgo::Sha256, 2, b"x");
+        let b = BlockHasher::new(HashAlgo::Sha256, 2, b"y");
+        let e = ExtraKeys::default();
+        assert_ne!(a.hash_block(None, &[1, 2], &e, true), b.hash_block(None, &[1, 2], &e, true));
+    }
+
+    #[test]
+    fn algo_names_round_trip() {
+        for algo in [HashAlgo::Sha256, HashAlgo::Blake3, HashAlgo::Xxh3_128] {
+            assert_eq!(HashAlgo::from_name(algo.name()).unwrap(), algo);
+        }
+        assert!(HashAlgo::from_name("md5").is_err());
+    }
+}

@@ -1,0 +1,312 @@
+//! KV-cache manager: per-request block lists on top of the block pool, prefix-cache lookups and
+//! all-or-nothing, lookahead-aware slot allocation (vLLM 0.33 semantics, one full-attention group).
+//!
+//! The manager does not own request state: callers keep a [`RequestBlocks`] per request and pass
+//! it in together with a [`SequenceView`] of the request's tokens, so the scheduler needs no map
+//! lookups on the hot path.
+
+use crate::block_pool::BlockPool;
+use crate::error::{invalid, CoreError, CoreResult};
+use crate::hashing::BlockHash;
+
+/// Blocks held by one request, in logical order, and how many leading ones are in the prefix cache.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestBlocks {
+    /// Block ids; entry `i` holds positions `[i * block_size, (i + 1) * block_size)`.
+    pub block_ids: Vec<u32>,
+    /// Leading blocks already registered in the prefix cache (never re-registered).
+    pub num_cached_blocks: usize,
+}
+
+/// What the manager needs to know about a request's token sequence.
+#[derive(Debug, Clone, Copy)]
+pub struct SequenceView<'a> {
+    /// Known tokens (prompt + accepted outputs; never drafts).
+    pub num_tokens: usize,
+    /// Chained hashes of every full block of the known tokens (may be empty when caching is off).
+    pub block_hashes: &'a [BlockHash],
+}
+
+/// Arguments of one `allocate_slots` call.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AllocateArgs<'a> {
+    /// Tokens the target model computes this step (prompt chunk, or 1 + drafts). Must be > 0.
+    pub num_new_tokens: usize,
+    /// Tokens whose KV is already in the request's blocks.
+    pub num_computed_tokens: usize,
+    /// Prefix-cache hit length in tokens (from `get_computed_blocks`), only for a request
+    /// holding no blocks yet.
+    pub num_new_computed_tokens: usize,
+    /// The hit blocks to adopt.
+    pub new_computed_blocks: &'a [u32],
+    /// Extra slots after the scheduled tokens for the drafter; never cached.
+    pub num_lookahead_tokens: usize,
+    /// Admission gate: fail unless the whole known sequence fits (lookahead not included).
+    pub full_sequence_must_fit: bool,
+}
+
+/// Prefix-cache lookup counters, in tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixCacheStats {
+    /// Lookups made.
+    pub requests: u64,
+    /// Tokens looked up.
+    pub queries: u64,
+    /// Tokens found.
+    pub hits: u64,
+}
+
+/// Block lists, prefix cache and allocation for one full-attention KV-cache group.
+#[derive(Debug, Clone)]
+pub struct KvCacheManager {
+    pool: BlockPool,
+    block_size: usize,
+    max_model_len: usize,
+    stats: PrefixCacheStats,
+}
+
+/// `ceil(a / b)`.
+pub fn cdiv(a: usize, b: usize) -> usize {
+    a.div_ceil(b)
+}
+
+impl KvCacheManager {
+    /// A manager over `num_blocks` blocks of `block_size` tokens.
+    pub fn new(
+        num_blocks: usize,
+        block_size: usize,
+        max_model_len: usize,
+        enable_caching: bool,
+    ) -> CoreResult<Self> {
+        if block_size == 0 {
+            return Err(invalid!("block_size must be positive"));
+        }
+        if max_model_len == 0 {
+            return Err(invalid!("max_model_len must be positive"));
+        }
+        Ok(Self {
+            pool: BlockPool::new(num_blocks, enable_caching)?,
+            block_size,
+            max_model_len,
+            stats: PrefixCacheStats::default(),
+        })
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Longest sequence a request may reach.
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    /// The underlying pool (read-only).
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Free (or evictable) blocks.
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.num_free_blocks()
+    }
+
+    /// Fraction of usable blocks in use.
+    pub fn usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// Prefix-cache lookup counters.
+    pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
+        self.stats
+    }
+
+    /// Empties the prefix cache; false (and no change) while any block is held.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.pool.reset_prefix_cache()
+    }
+
+    /// Longest cached prefix of `seq`, capped at `num_tokens - 1` and block aligned: fills `hits`
+    /// with the cached blocks and returns the hit length in tokens. Touches nothing.
+    pub fn get_computed_blocks(&mut self, seq: SequenceView<'_>, hits: &mut Vec<u32>) -> usize {
+        hits.clear();
+        if !self.pool.caching_enabled() || seq.num_tokens == 0 {
+            return 0;
+        }
+        let max_hit_blocks = ((seq.num_tokens - 1) / self.block_size).min(seq.block_hashes.len());
+        for hash in &seq.block_hashes[..max_hit_blocks] {
+            match self.pool.get_cached_block(hash) {
+                Some(b) => hits.push(b),
+                None => break,
+            }
+        }
+        let hit_tokens = hits.len() * self.block_size;
+        self.stats.requests += 1;
+        self.stats.queries += seq.num_tokens as u64;
+        self.stats.hits += hit_tokens as u64;
+        hit_tokens
+    }
+
+    /// Blocks the pool must give up for a request to own `num_slot_tokens` slots.
+    fn blocks_to_allocate(&self, req: &RequestBlocks, hits: &[u32], num_slot_tokens: usize) -> usize {
+        let required = cdiv(num_slot_tokens, self.block_size);
+        if !req.block_ids.is_empty() {
+            return required.saturating_sub(req.block_ids.len());
+        }
+        let evictable_hits = hits.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
+        required.saturating_sub(hits.len()) + evictable_hits
+    }
+
+    /// Rejects arguments that no correct caller passes; changes nothing.
+    fn validate(
+        &self,
+        req: &RequestBlocks,
+        seq: SequenceView<'_>,
+        args: &AllocateArgs<'_>,
+    ) -> CoreResult<()> {
+        let bs = self.block_size;
+        if args.num_new_tokens == 0 {
+            return Err(invalid!("num_new_tokens must be positive"));
+        }
+        let hits = args.new_computed_blocks;
+        if args.num_new_computed_tokens != hits.len() * bs {
+            return Err(invalid!(
+                "num_new_computed_tokens ({}) must equal len(new_computed_blocks) * block_size ({})",
+                args.num_new_computed_tokens,
+                hits.len() * bs
+            ));
+        }
+        if !hits.is_empty() && (!req.block_ids.is_empty() || args.num_computed_tokens != 0) {
+            return Err(invalid!(
+                "prefix-cache hits can only be adopted by a request that holds no blocks and has \
+                 no computed tokens"
+            ));
+        }
+        if args.num_computed_tokens > req.block_ids.len() * bs {
+            return Err(invalid!(
+                "num_computed_tokens ({}) exceeds the {} slots the request owns",
+                args.num_computed_tokens,
+                req.block_ids.len() * bs
+            ));
+        }
+        let end = args.num_computed_tokens + args.num_new_computed_tokens + args.num_new_tokens;
+        if end > self.max_model_len {
+            return Err(CoreError::TooLong(format!(
+                "num_computed_tokens + num_new_computed_tokens + num_new_tokens = {end} exceeds \
+                 max_model_len {}",
+                self.max_model_len
+            )));
+        }
+        if args.num_new_computed_tokens > seq.num_tokens.saturating_sub(1) {
+            return Err(invalid!(
+                "a prefix hit of {} tokens is not below the sequence's {} tokens",
+                args.num_new_computed_tokens,
+                seq.num_tokens
+            ));
+        }
+        for (i, &b) in hits.iter().enumerate() {
+            let is_prefix = (b as usize) < self.pool.num_blocks()
+                && seq.block_hashes.get(i).is_some_and(|h| self.pool.block_hash(b) == Some(h));
+            if !is_prefix {
+                return Err(invalid!(
+                    "new_computed_blocks[{i}] = {b} is not the cached block of this request's \
+                     prefix block {i}"
+                ));
+            }
+        }
+        if self.pool.caching_enabled() {
+            let to_cache = end.min(seq.num_tokens) / bs;
+            if to_cache > seq.block_hashes.len() {
+                return Err(invalid!(
+                    "sequence has {} block hashes but {to_cache} full blocks to cache",
+                    seq.block_hashes.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives `req` slots for every position below
+    /// `min(computed + hits + new + lookahead, max_model_len)`, adopting the hit blocks first.
+    ///
+    /// Returns `Ok(Some(i))` where `req.block_ids[i..]` are the newly allocated blocks, or
+    /// `Ok(None)` if the pool cannot serve it, in which case nothing changed. Registers every
+    /// newly full block of known tokens in the prefix cache (never drafts or lookahead slots).
+    pub fn allocate_slots(
+        &mut self,
+        req: &mut RequestBlocks,
+        seq: SequenceView<'_>,
+        args: AllocateArgs<'_>,
+    ) -> CoreResult<Option<usize>> {
+        self.validate(req, seq, &args)?;
+        let hits = args.new_computed_blocks;
+        let total = (args.num_computed_tokens + args.num_new_computed_tokens).min(self.max_model_len);
+        let main = total + args.num_new_tokens;
+        let need_slot = (main + args.num_lookahead_tokens).min(self.max_model_len);
+        let free = self.pool.num_free_blocks();
+
+        if args.full_sequence_must_fit {
+            let full_len = seq.num_tokens.min(self.max_model_len);
+            if self.blocks_to_allocate(req, hits, full_len) > free {
+                return Ok(None);
+            }
+        }
+        if self.blocks_to_allocate(req, hits, need_slot) > free {
+            return Ok(None);
+        }
+
+        if !hits.is_empty() {
+            self.pool.touch(hits);
+            req.block_ids.extend_from_slice(hits);
+            req.num_cached_blocks = hits.len();
+        }
+        let first_new = req.block_ids.len();
+        let num_new_blocks = cdiv(need_slot, self.block_size).saturating_sub(first_new);
+        self.pool.get_new_blocks(num_new_blocks, &mut req.block_ids)?;
+
+        if self.pool.caching_enabled() {
+            let num_full = main.min(seq.num_tokens) / self.block_size;
+            if req.num_cached_blocks < num_full {
+                let range = req.num_cached_blocks..num_full;
+                self.pool.cache_full_blocks(&req.block_ids[range.clone()], &seq.block_hashes[range]);
+                req.num_cached_blocks = num_full;
+            }
+        }
+        Ok(Some(first_new))
+    }
+
+    /// Releases every block of `req`, tail first, and clears it.
+    pub fn free(&mut self, req: &mut RequestBlocks) {
+        self.pool.free_blocks(req.block_ids.iter().rev().copied());
+        req.block_ids.clear();
+        req.num_cached_blocks = 0;
+    }
+
+    /// Checks the pool against the block lists of every live request.
+    pub fn check_invariants<'a>(
+        &self,
+        requests: impl IntoIterator<Item = &'a RequestBlocks>,
+    ) -> CoreResult<()> {
+        let mut holders = vec![0u32; self.pool.num_blocks()];
+        for req in requests {
+            for &b in &req.block_ids {
+                if b == 0 || b as usize >= holders.len() {
+                    return Err(crate::error::broken!("a request lists invalid block {b}"));
+                }
+                holders[b as usize] += 1;
+            }
+            for (i, &b) in req.block_ids.iter().enumerate().take(req.num_cached_blocks) {
+                if self.pool.caching_enabled() && self.pool.block_hash(b).is_none() {
+                    return Err(crate::error::broken!(
+                        "block {b} at index {i} is counted as cached but has no hash"
+                    ));
+                }
+            }
+        }
+        if holders.iter().enumerate().any(|(b, &n)| n > 1 && self.pool.block_hash(b as u32).is_none()) {
+            return Err(crate::error::broken!("an unhashed block is shared by several requests"));
+        }
+        self.pool.check_invariants(Some(&holders))
+    }
+}

@@ -1,0 +1,18 @@
+//! dflash-core: the pure-Rust core of dflash-rs.
+//!
+//! A KV-cache block pool with a prefix cache ([`block_pool`]), a KV-cache manager with
+//! lookahead-aware, all-or-nothing allocation ([`kv_manager`]), the per-method lookahead policy
+//! ([`lookahead`]), and the request scheduler built on them. No Python here: the `dflash-py`
+//! crate wraps these types for Python.
+
+pub mod block_pool;
+pub mod error;
+pub mod free_queue;
+pub mod hashing;
+pub mod kv_manager;
+pub mod prefix_map;
+
+pub use block_pool::{BlockPool, NULL_BLOCK};
+pub use error::{CoreError, CoreResult};
+pub use hashing::{BlockHash, BlockHasher, ExtraKeys, HashAlgo};
+pub use kv_manager::{AllocateArgs, KvCacheManager, PrefixCacheStats, RequestBlocks, SequenceView};

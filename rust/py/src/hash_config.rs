@@ -1,0 +1,43 @@
+//! Builds a block hasher from the Python-side `hash_algo` / `hash_seed` arguments.
+
+use dflash_core::{BlockHasher, HashAlgo};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyInt, PyString};
+
+use crate::errors::{invalid, IntoPyResult};
+
+/// The root seed: the given `hash_seed` (str, bytes or int), else `PYTHONHASHSEED` as vLLM does,
+/// else 32 random bytes from the OS (hashes then differ between processes).
+fn seed_bytes(py: Python<'_>, hash_seed: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8>> {
+    if let Some(seed) = hash_seed {
+        if let Ok(s) = seed.cast::<PyString>() {
+            return Ok(s.to_cow()?.as_bytes().to_vec());
+        }
+        if let Ok(b) = seed.cast::<PyBytes>() {
+            return Ok(b.as_bytes().to_vec());
+        }
+        if seed.is_instance_of::<PyInt>() {
+            return Ok(seed.str()?.to_cow()?.as_bytes().to_vec());
+        }
+        return Err(invalid(py, "hash_seed must be str, bytes, int or None"));
+    }
+    if let Ok(env) = std::env::var("PYTHONHASHSEED") {
+        if !env.is_empty() && env != "random" {
+            return Ok(env.into_bytes());
+        }
+    }
+    let mut buf = vec![0u8; 32];
+    getrandom::fill(&mut buf).map_err(|e| invalid(py, format!("no OS randomness for hash_seed: {e}")))?;
+    Ok(buf)
+}
+
+/// A hasher for `block_size`-token blocks.
+pub fn make_hasher(
+    py: Python<'_>,
+    hash_algo: &str,
+    hash_seed: Option<&Bound<'_, PyAny>>,
+    block_size: usize,
+) -> PyResult<BlockHasher> {
+    let algo = HashAlgo::from_name(hash_algo).py(py)?;
+    Ok(BlockHasher::new(algo, block_size, &seed_bytes(py, hash_seed)?))
+}

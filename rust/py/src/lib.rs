@@ -1,0 +1,17 @@
+//! `dflash_rs._core`: thin PyO3 bindings over `dflash-core`. This crate only converts types,
+//! maps errors and releases the GIL; all logic lives in the core.
+
+mod convert;
+mod errors;
+mod hash_config;
+mod kv_cache_manager;
+
+use pyo3::prelude::*;
+
+/// The native module behind the `dflash_rs` package.
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<kv_cache_manager::PyKvCacheManager>()?;
+    Ok(())
+}
