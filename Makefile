@@ -1,0 +1,71 @@
+# dflash-rs developer entry points. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell sha1sum requirements-dev.txt | cut -c1-12)
+BUILD_STAMP := $(VENV)/.built
+RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
+
+.PHONY: help
+help: ## Show this help
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(STAMP): requirements-dev.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+.PHONY: venv
+venv: $(STAMP) ## Create .venv with the pinned toolchain (torch, triton, pytest, ...)
+
+$(BUILD_STAMP): $(STAMP) $(RUST_SOURCES)
+	source $(VENV)/bin/activate && maturin develop --release --quiet
+	touch $@
+
+.PHONY: develop
+develop: $(BUILD_STAMP) ## Build the Rust extension into .venv (editable install)
+
+.PHONY: demo
+demo: develop ## Run the main job: the demo (admit requests, allocate with lookahead, print tables)
+	$(PY) -m dflash_rs demo
+
+.PHONY: test
+test: develop lint test-rust test-python ## Run the whole test suite (Rust, lints, Python)
+
+.PHONY: test-rust
+test-rust: ## cargo test of the core and bindings
+	cargo test --workspace --release
+
+.PHONY: lint
+lint: $(STAMP) ## clippy -D warnings, cargo fmt --check, ruff check/format --check
+	cargo clippy --workspace --all-targets --release -- -D warnings
+	cargo fmt --all --check
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
+
+.PHONY: test-python
+test-python: develop ## pytest (kernels run under TRITON_INTERPRET=1 without a GPU)
+	$(PY) -m pytest -q
+
+.PHONY: fmt
+fmt: $(STAMP) ## Format Rust and Python sources
+	cargo fmt --all
+	$(VENV)/bin/ruff format python tests benches
+	$(VENV)/bin/ruff check --fix python tests benches
+
+.PHONY: bench
+bench: develop ## Benchmarks: criterion (core) and pytest-benchmark (through Python)
+	cargo bench -p dflash-core --bench core -- --warm-up-time 1 --measurement-time 3
+	$(PY) -m pytest benches/python --benchmark-enable -q
+
+.PHONY: wheel
+wheel: $(STAMP) ## Build the abi3 release wheel into dist/
+	source $(VENV)/bin/activate && maturin build --release -o dist
+
+.PHONY: clean
+clean: ## Remove build outputs (keeps .venv)
+	cargo clean
+	rm -rf dist $(BUILD_STAMP)
