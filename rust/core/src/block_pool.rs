@@ -27,7 +27,9 @@ impl BlockPool {
     /// A pool of `num_blocks` blocks (block 0 reserved). Needs at least 2 blocks.
     pub fn new(num_blocks: usize, enable_caching: bool) -> CoreResult<Self> {
         if num_blocks < 2 {
-            return Err(invalid!("num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}"));
+            return Err(invalid!(
+                "num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}"
+            ));
         }
         if num_blocks >= u32::MAX as usize - 2 {
             return Err(invalid!("num_blocks {num_blocks} is too large"));
@@ -154,7 +156,10 @@ impl BlockPool {
             if b == NULL_BLOCK {
                 continue;
             }
-            debug_assert!(self.block_hash[b as usize].is_none(), "block {b} is already hashed");
+            debug_assert!(
+                self.block_hash[b as usize].is_none(),
+                "block {b} is already hashed"
+            );
             self.block_hash[b as usize] = Some(*h);
             self.prefix.insert(*h, b);
         }
@@ -198,20 +203,29 @@ impl BlockPool {
             count += 1;
         }
         if count != self.free.len() {
-            return Err(broken!("free queue length {} != linked blocks {count}", self.free.len()));
+            return Err(broken!(
+                "free queue length {} != linked blocks {count}",
+                self.free.len()
+            ));
         }
         let mut used = 0;
         for b in 1..n {
             let rc = self.ref_cnt[b];
             if seen[b] == (rc > 0) {
-                return Err(broken!("block {b}: ref count {rc} but in free queue = {}", seen[b]));
+                return Err(broken!(
+                    "block {b}: ref count {rc} but in free queue = {}",
+                    seen[b]
+                ));
             }
             if rc > 0 {
                 used += 1;
             }
             if let Some(holders) = holders {
                 if holders[b] != rc {
-                    return Err(broken!("block {b}: ref count {rc} != holders {}", holders[b]));
+                    return Err(broken!(
+                        "block {b}: ref count {rc} != holders {}",
+                        holders[b]
+                    ));
                 }
             }
             match &self.block_hash[b] {
@@ -230,11 +244,15 @@ impl BlockPool {
         }
         for (h, b) in self.prefix.iter() {
             if self.block_hash[b as usize].as_ref() != Some(h) {
-                return Err(broken!("prefix map lists block {b} under a hash it does not carry"));
+                return Err(broken!(
+                    "prefix map lists block {b} under a hash it does not carry"
+                ));
             }
         }
         if self.prefix.num_blocks() != self.block_hash.iter().filter(|h| h.is_some()).count() {
-            return Err(broken!("prefix map size differs from the number of hashed blocks"));
+            return Err(broken!(
+                "prefix map size differs from the number of hashed blocks"
+            ));
         }
         Ok(())
     }

@@ -71,7 +71,10 @@ impl FreeQueue {
 
     /// Unlinks `block` from anywhere in the queue. The caller guarantees it is linked.
     pub fn remove(&mut self, block: u32) {
-        debug_assert!(self.contains(block), "block {block} is not in the free queue");
+        debug_assert!(
+            self.contains(block),
+            "block {block} is not in the free queue"
+        );
         self.unlink(block);
     }
 
@@ -104,7 +107,10 @@ impl FreeQueue {
     }
 
     fn link_between(&mut self, block: u32, before: u32, after: u32) {
-        debug_assert!(!self.contains(block), "block {block} is already in the free queue");
+        debug_assert!(
+            !self.contains(block),
+            "block {block} is already in the free queue"
+        );
         self.prev[block as usize] = before;
         self.next[block as usize] = after;
         self.next[before as usize] = block;

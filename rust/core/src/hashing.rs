@@ -73,8 +73,14 @@ impl BlockHasher {
     /// A hasher whose root is derived from `seed` (equal seeds give equal hashes).
     pub fn new(algo: HashAlgo, block_size: usize, seed: &[u8]) -> Self {
         let mut root = [0u8; HASH_BYTES];
-        root.copy_from_slice(&Sha256::digest([b"dflash-rs/root/v1:".as_slice(), seed].concat()));
-        Self { algo, root, block_size }
+        root.copy_from_slice(&Sha256::digest(
+            [b"dflash-rs/root/v1:".as_slice(), seed].concat(),
+        ));
+        Self {
+            algo,
+            root,
+            block_size,
+        }
     }
 
     /// The algorithm in use.
@@ -96,11 +102,21 @@ impl BlockHasher {
         is_first_block: bool,
     ) -> BlockHash {
         let parent = parent.unwrap_or(&self.root);
-        let salt = if is_first_block { extra.cache_salt.as_deref() } else { None };
+        let salt = if is_first_block {
+            extra.cache_salt.as_deref()
+        } else {
+            None
+        };
         match self.algo {
             HashAlgo::Sha256 => {
                 let mut h = Sha256::new();
-                feed(|b| h.update(b), parent, tokens, extra.lora_name.as_deref(), salt);
+                feed(
+                    |b| h.update(b),
+                    parent,
+                    tokens,
+                    extra.lora_name.as_deref(),
+                    salt,
+                );
                 h.finalize().into()
             }
             HashAlgo::Blake3 => {
@@ -118,7 +134,13 @@ impl BlockHasher {
             }
             HashAlgo::Xxh3_128 => {
                 let mut h = xxhash_rust::xxh3::Xxh3::new();
-                feed(|b| h.update(b), parent, tokens, extra.lora_name.as_deref(), salt);
+                feed(
+                    |b| h.update(b),
+                    parent,
+                    tokens,
+                    extra.lora_name.as_deref(),
+                    salt,
+                );
                 let mut out = [0u8; HASH_BYTES];
                 out[..16].copy_from_slice(&h.digest128().to_le_bytes());
                 out
@@ -193,7 +215,10 @@ mod tests {
     #[test]
     fn incremental_equals_batch() {
         let h = hasher(HashAlgo::Sha256);
-        let extra = ExtraKeys { lora_name: Some("l".into()), cache_salt: Some("s".into()) };
+        let extra = ExtraKeys {
+            lora_name: Some("l".into()),
+            cache_salt: Some("s".into()),
+        };
         let tokens: Vec<u32> = (0..23).collect();
         let mut batch = Vec::new();
         h.extend_hashes(&mut batch, &tokens, &extra);
@@ -209,9 +234,18 @@ mod tests {
         let h = hasher(HashAlgo::Sha256);
         let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
         let base = ExtraKeys::default();
-        let salted = ExtraKeys { cache_salt: Some("a".into()), ..Default::default() };
-        let salted_b = ExtraKeys { cache_salt: Some("b".into()), ..Default::default() };
-        let lora = ExtraKeys { lora_name: Some("a".into()), ..Default::default() };
+        let salted = ExtraKeys {
+            cache_salt: Some("a".into()),
+            ..Default::default()
+        };
+        let salted_b = ExtraKeys {
+            cache_salt: Some("b".into()),
+            ..Default::default()
+        };
+        let lora = ExtraKeys {
+            lora_name: Some("a".into()),
+            ..Default::default()
+        };
         let mut all = Vec::new();
         for extra in [&base, &salted, &salted_b, &lora] {
             let mut v = Vec::new();
@@ -231,7 +265,10 @@ mod tests {
         let a = BlockHasher::new(HashAlgo::Sha256, 2, b"x");
         let b = BlockHasher::new(HashAlgo::Sha256, 2, b"y");
         let e = ExtraKeys::default();
-        assert_ne!(a.hash_block(None, &[1, 2], &e, true), b.hash_block(None, &[1, 2], &e, true));
+        assert_ne!(
+            a.hash_block(None, &[1, 2], &e, true),
+            b.hash_block(None, &[1, 2], &e, true)
+        );
     }
 
     #[test]

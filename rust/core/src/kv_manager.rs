@@ -149,12 +149,20 @@ impl KvCacheManager {
     }
 
     /// Blocks the pool must give up for a request to own `num_slot_tokens` slots.
-    fn blocks_to_allocate(&self, req: &RequestBlocks, hits: &[u32], num_slot_tokens: usize) -> usize {
+    fn blocks_to_allocate(
+        &self,
+        req: &RequestBlocks,
+        hits: &[u32],
+        num_slot_tokens: usize,
+    ) -> usize {
         let required = cdiv(num_slot_tokens, self.block_size);
         if !req.block_ids.is_empty() {
             return required.saturating_sub(req.block_ids.len());
         }
-        let evictable_hits = hits.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
+        let evictable_hits = hits
+            .iter()
+            .filter(|&&b| self.pool.ref_count(b) == 0)
+            .count();
         required.saturating_sub(hits.len()) + evictable_hits
     }
 
@@ -207,7 +215,10 @@ impl KvCacheManager {
         }
         for (i, &b) in hits.iter().enumerate() {
             let is_prefix = (b as usize) < self.pool.num_blocks()
-                && seq.block_hashes.get(i).is_some_and(|h| self.pool.block_hash(b) == Some(h));
+                && seq
+                    .block_hashes
+                    .get(i)
+                    .is_some_and(|h| self.pool.block_hash(b) == Some(h));
             if !is_prefix {
                 return Err(invalid!(
                     "new_computed_blocks[{i}] = {b} is not the cached block of this request's \
@@ -241,7 +252,8 @@ impl KvCacheManager {
     ) -> CoreResult<Option<usize>> {
         self.validate(req, seq, &args)?;
         let hits = args.new_computed_blocks;
-        let total = (args.num_computed_tokens + args.num_new_computed_tokens).min(self.max_model_len);
+        let total =
+            (args.num_computed_tokens + args.num_new_computed_tokens).min(self.max_model_len);
         let main = total + args.num_new_tokens;
         let need_slot = (main + args.num_lookahead_tokens).min(self.max_model_len);
         let free = self.pool.num_free_blocks();
@@ -263,13 +275,15 @@ impl KvCacheManager {
         }
         let first_new = req.block_ids.len();
         let num_new_blocks = cdiv(need_slot, self.block_size).saturating_sub(first_new);
-        self.pool.get_new_blocks(num_new_blocks, &mut req.block_ids)?;
+        self.pool
+            .get_new_blocks(num_new_blocks, &mut req.block_ids)?;
 
         if self.pool.caching_enabled() {
             let num_full = main.min(seq.num_tokens) / self.block_size;
             if req.num_cached_blocks < num_full {
                 let range = req.num_cached_blocks..num_full;
-                self.pool.cache_full_blocks(&req.block_ids[range.clone()], &seq.block_hashes[range]);
+                self.pool
+                    .cache_full_blocks(&req.block_ids[range.clone()], &seq.block_hashes[range]);
                 req.num_cached_blocks = num_full;
             }
         }
@@ -304,8 +318,14 @@ impl KvCacheManager {
                 }
             }
         }
-        if holders.iter().enumerate().any(|(b, &n)| n > 1 && self.pool.block_hash(b as u32).is_none()) {
-            return Err(crate::error::broken!("an unhashed block is shared by several requests"));
+        if holders
+            .iter()
+            .enumerate()
+            .any(|(b, &n)| n > 1 && self.pool.block_hash(b as u32).is_none())
+        {
+            return Err(crate::error::broken!(
+                "an unhashed block is shared by several requests"
+            ));
         }
         self.pool.check_invariants(Some(&holders))
     }

@@ -5,14 +5,29 @@
 //! ([`lookahead`]), and the request scheduler built on them. No Python here: the `dflash-py`
 //! crate wraps these types for Python.
 
+pub mod batch_rows;
 pub mod block_pool;
+pub mod block_table;
+pub mod config;
 pub mod error;
 pub mod free_queue;
 pub mod hashing;
 pub mod kv_manager;
+pub mod lookahead;
+pub mod output;
 pub mod prefix_map;
+pub mod queue;
+pub mod request;
+pub mod request_store;
+pub mod scheduler;
 
 pub use block_pool::{BlockPool, NULL_BLOCK};
+pub use config::SchedulerConfig;
 pub use error::{CoreError, CoreResult};
 pub use hashing::{BlockHash, BlockHasher, ExtraKeys, HashAlgo};
 pub use kv_manager::{AllocateArgs, KvCacheManager, PrefixCacheStats, RequestBlocks, SequenceView};
+pub use lookahead::{LookaheadPolicy, SpecMethod};
+pub use output::{EntryKind, RequestUpdate, StepOutput, UpdateOutput};
+pub use queue::Policy;
+pub use request::{FinishReason, RequestSpec, RequestStatus};
+pub use scheduler::{Scheduler, SchedulerStats};

@@ -69,7 +69,9 @@ impl PrefixMap {
 
     /// Removes `block` from `hash`'s registrations; returns whether it was there.
     pub fn pop(&mut self, hash: &BlockHash, block: u32) -> bool {
-        let Some(entry) = self.map.get_mut(hash) else { return false };
+        let Some(entry) = self.map.get_mut(hash) else {
+            return false;
+        };
         let removed = match entry {
             Entry::One(b) if *b == block => {
                 self.map.remove(hash);

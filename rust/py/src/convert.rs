@@ -12,7 +12,10 @@ fn check_token(py: Python<'_>, what: &str, i: usize, t: i64) -> PyResult<u32> {
     if (0..=MAX_TOKEN_ID).contains(&t) {
         Ok(t as u32)
     } else {
-        Err(invalid(py, format!("{what}[{i}] = {t} is outside [0, 2**31 - 1]")))
+        Err(invalid(
+            py,
+            format!("{what}[{i}] = {t} is outside [0, 2**31 - 1]"),
+        ))
     }
 }
 
@@ -21,25 +24,48 @@ pub fn token_ids(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
     let py = obj.py();
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
         let view = arr.as_array();
-        return view.iter().enumerate().map(|(i, &t)| check_token(py, what, i, t as i64)).collect();
+        return view
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| check_token(py, what, i, t as i64))
+            .collect();
     }
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         let view = arr.as_array();
-        return view.iter().enumerate().map(|(i, &t)| check_token(py, what, i, t)).collect();
+        return view
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| check_token(py, what, i, t))
+            .collect();
     }
     if let Ok(arr) = obj.cast::<numpy::PyUntypedArray>() {
         return Err(invalid(
             py,
-            format!("{what} must be a 1-D int32 or int64 array, got ndim={} dtype={}", arr.ndim(), arr.dtype()),
+            format!(
+                "{what} must be a 1-D int32 or int64 array, got ndim={} dtype={}",
+                arr.ndim(),
+                arr.dtype()
+            ),
         ));
     }
-    if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
-        return Err(invalid(py, format!("{what} must be a sequence of ints, not a string")));
+    if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>()
+    {
+        return Err(invalid(
+            py,
+            format!("{what} must be a sequence of ints, not a string"),
+        ));
     }
-    let values: Vec<i64> = obj
-        .extract()
-        .map_err(|_| invalid(py, format!("{what} must be a sequence of ints or a 1-D integer array")))?;
-    values.iter().enumerate().map(|(i, &t)| check_token(py, what, i, t)).collect()
+    let values: Vec<i64> = obj.extract().map_err(|_| {
+        invalid(
+            py,
+            format!("{what} must be a sequence of ints or a 1-D integer array"),
+        )
+    })?;
+    values
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| check_token(py, what, i, t))
+        .collect()
 }
 
 /// A count that must be >= 0.

@@ -27,7 +27,8 @@ fn seed_bytes(py: Python<'_>, hash_seed: Option<&Bound<'_, PyAny>>) -> PyResult<
         }
     }
     let mut buf = vec![0u8; 32];
-    getrandom::fill(&mut buf).map_err(|e| invalid(py, format!("no OS randomness for hash_seed: {e}")))?;
+    getrandom::fill(&mut buf)
+        .map_err(|e| invalid(py, format!("no OS randomness for hash_seed: {e}")))?;
     Ok(buf)
 }
 
@@ -39,5 +40,9 @@ pub fn make_hasher(
     block_size: usize,
 ) -> PyResult<BlockHasher> {
     let algo = HashAlgo::from_name(hash_algo).py(py)?;
-    Ok(BlockHasher::new(algo, block_size, &seed_bytes(py, hash_seed)?))
+    Ok(BlockHasher::new(
+        algo,
+        block_size,
+        &seed_bytes(py, hash_seed)?,
+    ))
 }

@@ -22,7 +22,10 @@ struct ManagedRequest {
 
 impl ManagedRequest {
     fn view(&self) -> SequenceView<'_> {
-        SequenceView { num_tokens: self.tokens.len(), block_hashes: &self.hashes }
+        SequenceView {
+            num_tokens: self.tokens.len(),
+            block_hashes: &self.hashes,
+        }
     }
 }
 
@@ -37,7 +40,9 @@ pub struct PyKvCacheManager {
 
 impl PyKvCacheManager {
     fn get(&self, py: Python<'_>, id: &str) -> PyResult<&ManagedRequest> {
-        self.requests.get(id).ok_or_else(|| to_py(py, CoreError::UnknownRequest(id.to_owned())))
+        self.requests
+            .get(id)
+            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(id.to_owned())))
     }
 }
 
@@ -58,8 +63,15 @@ impl PyKvCacheManager {
         let block_size = positive(py, "block_size", block_size)?;
         let max_model_len = positive(py, "max_model_len", max_model_len)?;
         let hasher = make_hasher(py, hash_algo, hash_seed, block_size)?;
-        let inner = KvCacheManager::new(num_blocks, block_size, max_model_len, enable_prefix_caching).py(py)?;
-        Ok(Self { inner, hasher, requests: HashMap::new(), hit_buf: Vec::new() })
+        let inner =
+            KvCacheManager::new(num_blocks, block_size, max_model_len, enable_prefix_caching)
+                .py(py)?;
+        Ok(Self {
+            inner,
+            hasher,
+            requests: HashMap::new(),
+            hit_buf: Vec::new(),
+        })
     }
 
     /// Registers a request and hashes its full blocks.
@@ -74,7 +86,10 @@ impl PyKvCacheManager {
     ) -> PyResult<()> {
         crate::convert::request_id(py, request_id)?;
         if self.requests.contains_key(request_id) {
-            return Err(to_py(py, CoreError::DuplicateRequest(request_id.to_owned())));
+            return Err(to_py(
+                py,
+                CoreError::DuplicateRequest(request_id.to_owned()),
+            ));
         }
         let tokens = crate::convert::token_ids(token_ids, "token_ids")?;
         if tokens.is_empty() {
@@ -90,18 +105,31 @@ impl PyKvCacheManager {
                 )),
             ));
         }
-        let extra = ExtraKeys { lora_name, cache_salt };
+        let extra = ExtraKeys {
+            lora_name,
+            cache_salt,
+        };
         let mut hashes = Vec::new();
         if self.inner.pool().caching_enabled() {
             self.hasher.extend_hashes(&mut hashes, &tokens, &extra);
         }
-        let req = ManagedRequest { tokens, hashes, extra, blocks: RequestBlocks::default() };
+        let req = ManagedRequest {
+            tokens,
+            hashes,
+            extra,
+            blocks: RequestBlocks::default(),
+        };
         self.requests.insert(request_id.to_owned(), req);
         Ok(())
     }
 
     /// Appends accepted tokens to a request (hashing any newly full block).
-    fn append_token_ids(&mut self, py: Python<'_>, request_id: &str, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn append_token_ids(
+        &mut self,
+        py: Python<'_>,
+        request_id: &str,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let new_tokens = crate::convert::token_ids(token_ids, "token_ids")?;
         let max_model_len = self.inner.max_model_len();
         let caching = self.inner.pool().caching_enabled();
@@ -121,18 +149,25 @@ impl PyKvCacheManager {
         }
         req.tokens.extend_from_slice(&new_tokens);
         if caching {
-            self.hasher.extend_hashes(&mut req.hashes, &req.tokens, &req.extra);
+            self.hasher
+                .extend_hashes(&mut req.hashes, &req.tokens, &req.extra);
         }
         Ok(())
     }
 
     /// Longest cached prefix: (hit block ids, hit tokens); capped at num_tokens - 1, whole blocks.
-    fn get_computed_blocks(&mut self, py: Python<'_>, request_id: &str) -> PyResult<(Vec<u32>, usize)> {
+    fn get_computed_blocks(
+        &mut self,
+        py: Python<'_>,
+        request_id: &str,
+    ) -> PyResult<(Vec<u32>, usize)> {
         let req = self
             .requests
             .get(request_id)
             .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
-        let hit_tokens = self.inner.get_computed_blocks(req.view(), &mut self.hit_buf);
+        let hit_tokens = self
+            .inner
+            .get_computed_blocks(req.view(), &mut self.hit_buf);
         Ok((self.hit_buf.clone(), hit_tokens))
     }
 
@@ -153,12 +188,20 @@ impl PyKvCacheManager {
     ) -> PyResult<Option<Vec<u32>>> {
         let hits = new_computed_blocks
             .iter()
-            .map(|&b| u32::try_from(b).map_err(|_| invalid(py, format!("invalid block id {b} in new_computed_blocks"))))
+            .map(|&b| {
+                u32::try_from(b).map_err(|_| {
+                    invalid(py, format!("invalid block id {b} in new_computed_blocks"))
+                })
+            })
             .collect::<PyResult<Vec<u32>>>()?;
         let args = AllocateArgs {
             num_new_tokens: non_negative(py, "num_new_tokens", num_new_tokens)?,
             num_computed_tokens: non_negative(py, "num_computed_tokens", num_computed_tokens)?,
-            num_new_computed_tokens: non_negative(py, "num_new_computed_tokens", num_new_computed_tokens)?,
+            num_new_computed_tokens: non_negative(
+                py,
+                "num_new_computed_tokens",
+                num_new_computed_tokens,
+            )?,
             new_computed_blocks: &hits,
             num_lookahead_tokens: non_negative(py, "num_lookahead_tokens", num_lookahead_tokens)?,
             full_sequence_must_fit,
@@ -167,8 +210,14 @@ impl PyKvCacheManager {
             .requests
             .get_mut(request_id)
             .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
-        let view = SequenceView { num_tokens: req.tokens.len(), block_hashes: &req.hashes };
-        let first_new = self.inner.allocate_slots(&mut req.blocks, view, args).py(py)?;
+        let view = SequenceView {
+            num_tokens: req.tokens.len(),
+            block_hashes: &req.hashes,
+        };
+        let first_new = self
+            .inner
+            .allocate_slots(&mut req.blocks, view, args)
+            .py(py)?;
         Ok(first_new.map(|i| req.blocks.block_ids[i..].to_vec()))
     }
 
@@ -193,8 +242,17 @@ impl PyKvCacheManager {
     }
 
     /// Chained hashes of the request's full blocks (empty when caching is off).
-    fn block_hashes<'py>(&self, py: Python<'py>, request_id: &str) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        Ok(self.get(py, request_id)?.hashes.iter().map(|h| PyBytes::new(py, h)).collect())
+    fn block_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &str,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        Ok(self
+            .get(py, request_id)?
+            .hashes
+            .iter()
+            .map(|h| PyBytes::new(py, h))
+            .collect())
     }
 
     /// Leading blocks of the request registered in the prefix cache.
@@ -219,7 +277,9 @@ impl PyKvCacheManager {
 
     /// Raises `InvariantError` if any pool or ownership invariant is broken.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner.check_invariants(self.requests.values().map(|r| &r.blocks)).py(py)
+        self.inner
+            .check_invariants(self.requests.values().map(|r| &r.blocks))
+            .py(py)
     }
 
     /// Free block ids in eviction order (next reused first).
@@ -234,7 +294,11 @@ impl PyKvCacheManager {
     }
 
     /// The hash a block is cached under, or None.
-    fn block_hash<'py>(&self, py: Python<'py>, block_id: i64) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    fn block_hash<'py>(
+        &self,
+        py: Python<'py>,
+        block_id: i64,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let b = self.checked_block(py, block_id)?;
         Ok(self.inner.pool().block_hash(b).map(|h| PyBytes::new(py, h)))
     }
@@ -311,4 +375,3 @@ impl PyKvCacheManager {
         }
     }
 }
-

@@ -1,0 +1,93 @@
+//! Assignment of block-table rows to running requests.
+//!
+//! Running requests occupy rows `[0, len)` densely. When a request leaves, the last row moves
+//! into its hole. Before a step is handed out, scheduled requests are partitioned to the front
+//! (stable), so rows `[0, num_scheduled)` are the batch in order.
+
+use crate::block_table::BlockTable;
+use crate::request_store::RequestStore;
+
+/// Row owners and the block table they index.
+#[derive(Debug, Clone)]
+pub struct BatchRows {
+    /// Slot owning each occupied row.
+    owners: Vec<u32>,
+    table: BlockTable,
+}
+
+impl BatchRows {
+    /// Rows for up to `max_rows` running requests, `width` blocks each.
+    pub fn new(max_rows: usize, width: usize) -> Self {
+        Self {
+            owners: Vec::with_capacity(max_rows),
+            table: BlockTable::new(max_rows, width),
+        }
+    }
+
+    /// The block table.
+    pub fn table(&self) -> &BlockTable {
+        &self.table
+    }
+
+    /// Occupied rows.
+    pub fn len(&self) -> usize {
+        self.owners.len()
+    }
+
+    /// Whether no row is occupied.
+    pub fn is_empty(&self) -> bool {
+        self.owners.is_empty()
+    }
+
+    /// Slot owning each occupied row, in row order.
+    pub fn owners(&self) -> &[u32] {
+        &self.owners
+    }
+
+    /// Gives `slot` the next free row, filled with `blocks`.
+    pub fn add(&mut self, store: &mut RequestStore, slot: u32, blocks: &[u32]) {
+        let row = self.owners.len();
+        self.owners.push(slot);
+        self.table.clear(row);
+        self.table.append(row, blocks);
+        store.set_row(slot, Some(row as u32));
+    }
+
+    /// Appends newly allocated blocks to `row`.
+    pub fn append(&mut self, row: usize, blocks: &[u32]) {
+        self.table.append(row, blocks);
+    }
+
+    /// Frees `slot`'s row; the last row moves into the hole.
+    pub fn remove(&mut self, store: &mut RequestStore, slot: u32) {
+        let Some(row) = store.row(slot) else { return };
+        let row = row as usize;
+        let last = self.owners.len() - 1;
+        self.table.move_row(last, row);
+        self.owners.swap_remove(row);
+        if row != last {
+            store.set_row(self.owners[row], Some(row as u32));
+        }
+        store.set_row(slot, None);
+    }
+
+    /// Moves the rows whose owners satisfy `scheduled` to the front, keeping their order.
+    pub fn partition_scheduled(
+        &mut self,
+        store: &mut RequestStore,
+        scheduled: impl Fn(u32) -> bool,
+    ) {
+        let mut front = 0;
+        for row in 0..self.owners.len() {
+            if scheduled(self.owners[row]) {
+                if row != front {
+                    self.table.swap_rows(row, front);
+                    self.owners.swap(row, front);
+                    store.set_row(self.owners[row], Some(row as u32));
+                    store.set_row(self.owners[front], Some(front as u32));
+                }
+                front += 1;
+            }
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! Scheduler configuration and its validation.
+
+use crate::error::{invalid, CoreResult};
+use crate::hashing::HashAlgo;
+use crate::lookahead::{LookaheadPolicy, SpecMethod};
+use crate::queue::Policy;
+
+/// Everything that shapes scheduling and allocation.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Blocks in the pool, null block included.
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Longest sequence (prompt + output) a request may reach.
+    pub max_model_len: usize,
+    /// Most requests running at once (rows of the block table).
+    pub max_num_seqs: usize,
+    /// Token budget of one step.
+    pub max_num_batched_tokens: usize,
+    /// Prefix caching on/off.
+    pub enable_prefix_caching: bool,
+    /// Split prompts over several steps when the budget is short.
+    pub enable_chunked_prefill: bool,
+    /// Cap on tokens per request per step (0 = none).
+    pub long_prefill_token_threshold: usize,
+    /// FCFS or priority.
+    pub policy: Policy,
+    /// Speculative decoding method.
+    pub spec_method: SpecMethod,
+    /// K, the number of speculative tokens.
+    pub num_speculative_tokens: usize,
+    /// Block-hash function.
+    pub hash_algo: HashAlgo,
+    /// Seed of the block-hash root.
+    pub hash_seed: Vec<u8>,
+    /// Lookahead rule (only `Correct` outside tests).
+    pub lookahead_policy: LookaheadPolicy,
+}
+
+impl SchedulerConfig {
+    /// A config with vLLM-like defaults for the given pool and limits.
+    pub fn new(
+        num_blocks: usize,
+        block_size: usize,
+        max_model_len: usize,
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+    ) -> Self {
+        Self {
+            num_blocks,
+            block_size,
+            max_model_len,
+            max_num_seqs,
+            max_num_batched_tokens,
+            enable_prefix_caching: true,
+            enable_chunked_prefill: true,
+            long_prefill_token_threshold: 0,
+            policy: Policy::Fcfs,
+            spec_method: SpecMethod::None,
+            num_speculative_tokens: 0,
+            hash_algo: HashAlgo::Sha256,
+            hash_seed: b"dflash-rs".to_vec(),
+            lookahead_policy: LookaheadPolicy::Correct,
+        }
+    }
+
+    /// Rejects inconsistent settings.
+    pub fn validate(&self) -> CoreResult<()> {
+        if self.num_blocks < 2 {
+            return Err(invalid!(
+                "num_blocks must be at least 2 (block 0 is reserved), got {}",
+                self.num_blocks
+            ));
+        }
+        if self.block_size == 0 {
+            return Err(invalid!("block_size must be positive"));
+        }
+        if self.max_model_len < 2 {
+            return Err(invalid!(
+                "max_model_len must be at least 2, got {}",
+                self.max_model_len
+            ));
+        }
+        if self.max_num_seqs == 0 {
+            return Err(invalid!("max_num_seqs must be positive"));
+        }
+        if self.max_num_batched_tokens == 0 {
+            return Err(invalid!("max_num_batched_tokens must be positive"));
+        }
+        let spec = self.spec_method != SpecMethod::None;
+        if spec && self.num_speculative_tokens == 0 {
+            return Err(invalid!(
+                "num_speculative_tokens must be >= 1 for method {}",
+                self.spec_method.name()
+            ));
+        }
+        if !spec && self.num_speculative_tokens != 0 {
+            return Err(invalid!(
+                "num_speculative_tokens must be 0 without a speculative method"
+            ));
+        }
+        if self.num_speculative_tokens > 64 {
+            return Err(invalid!(
+                "num_speculative_tokens {} is above 64",
+                self.num_speculative_tokens
+            ));
+        }
+        Ok(())
+    }
+
+    /// Columns of the block table: enough blocks for `max_model_len` positions.
+    pub fn block_table_width(&self) -> usize {
+        self.max_model_len.div_ceil(self.block_size)
+    }
+
+    /// Lookahead the contract requires (the correct table), whatever policy is in use.
+    pub fn required_lookahead(&self) -> usize {
+        self.spec_method
+            .required_lookahead(self.num_speculative_tokens)
+    }
+}

@@ -1,0 +1,183 @@
+//! Per-request state: tokens, block hashes, sampling stop rules, scheduling progress and blocks.
+
+use crate::hashing::{BlockHash, BlockHasher, ExtraKeys};
+use crate::kv_manager::{RequestBlocks, SequenceView};
+
+/// Where a request is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestStatus {
+    /// In the waiting queue, never run.
+    Waiting,
+    /// In the running list.
+    Running,
+    /// Back in the waiting queue after preemption (reported as resumed when readmitted).
+    Preempted,
+    /// Finished; the reason says why.
+    Finished(FinishReason),
+}
+
+/// Why a request finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop token.
+    Stop,
+    /// max_tokens or max_model_len reached.
+    Length,
+    /// Aborted by the engine.
+    Abort,
+    /// Ended by an error.
+    Error,
+}
+
+impl FinishReason {
+    /// The name used in outputs ("stop", "length", "abort", "error").
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Abort => "abort",
+            Self::Error => "error",
+        }
+    }
+}
+
+/// What the engine submits.
+#[derive(Debug, Clone, Default)]
+pub struct RequestSpec {
+    /// Unique id.
+    pub request_id: String,
+    /// Prompt token ids.
+    pub prompt_token_ids: Vec<u32>,
+    /// Maximum output tokens.
+    pub max_tokens: usize,
+    /// EOS token, if the model has one.
+    pub eos_token_id: Option<u32>,
+    /// Tokens that stop generation (reported as the stop reason).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past EOS.
+    pub ignore_eos: bool,
+    /// No EOS/stop-token stop before this many output tokens.
+    pub min_tokens: usize,
+    /// Lower value = more important (priority policy).
+    pub priority: i64,
+    /// Arrival time in seconds (priority tie-break).
+    pub arrival_time: f64,
+    /// LoRA adapter and cache salt, mixed into block hashes.
+    pub extra: ExtraKeys,
+}
+
+/// A request inside the scheduler.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// What was submitted.
+    pub spec: RequestSpec,
+    /// Prompt followed by accepted output tokens.
+    pub tokens: Vec<u32>,
+    /// Hashes of every full block of `tokens` (empty when caching is off).
+    pub block_hashes: Vec<BlockHash>,
+    /// Lifecycle state.
+    pub status: RequestStatus,
+    /// Tokens whose KV is computed (or being computed by the step in flight).
+    pub num_computed_tokens: usize,
+    /// Draft tokens proposed for the next step.
+    pub spec_token_ids: Vec<u32>,
+    /// Blocks held.
+    pub blocks: RequestBlocks,
+    /// Set at schedule time: the step ends before the known tokens, so its sample is discarded.
+    pub is_prefill_chunk: bool,
+    /// Times this request was preempted.
+    pub num_preemptions: u32,
+    /// Submission order (FCFS and priority tie-break).
+    pub arrival_seq: u64,
+    /// Stop reason token when finished by a stop token.
+    pub stop_token: Option<u32>,
+}
+
+impl Request {
+    /// A waiting request; hashes its full prompt blocks when `hasher` is given.
+    pub fn new(spec: RequestSpec, arrival_seq: u64, hasher: Option<&BlockHasher>) -> Self {
+        let tokens = spec.prompt_token_ids.clone();
+        let mut block_hashes = Vec::new();
+        if let Some(h) = hasher {
+            h.extend_hashes(&mut block_hashes, &tokens, &spec.extra);
+        }
+        Self {
+            spec,
+            tokens,
+            block_hashes,
+            status: RequestStatus::Waiting,
+            num_computed_tokens: 0,
+            spec_token_ids: Vec::new(),
+            blocks: RequestBlocks::default(),
+            is_prefill_chunk: false,
+            num_preemptions: 0,
+            arrival_seq,
+            stop_token: None,
+        }
+    }
+
+    /// Known tokens (prompt + outputs).
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Prompt length.
+    pub fn num_prompt_tokens(&self) -> usize {
+        self.spec.prompt_token_ids.len()
+    }
+
+    /// Output tokens so far.
+    pub fn num_output_tokens(&self) -> usize {
+        self.tokens.len() - self.spec.prompt_token_ids.len()
+    }
+
+    /// The view the KV-cache manager needs.
+    pub fn sequence(&self) -> SequenceView<'_> {
+        SequenceView {
+            num_tokens: self.tokens.len(),
+            block_hashes: &self.block_hashes,
+        }
+    }
+
+    /// Whether the request has finished.
+    pub fn is_finished(&self) -> bool {
+        matches!(self.status, RequestStatus::Finished(_))
+    }
+
+    /// Appends one sampled token (hashing a newly full block) and applies the stop rules;
+    /// returns the finish reason if it stopped.
+    pub fn append_and_check_stop(
+        &mut self,
+        token: u32,
+        max_model_len: usize,
+        hasher: Option<&BlockHasher>,
+    ) -> Option<FinishReason> {
+        self.tokens.push(token);
+        if let Some(h) = hasher {
+            if self.tokens.len() % h.block_size() == 0 {
+                h.extend_hashes(&mut self.block_hashes, &self.tokens, &self.spec.extra);
+            }
+        }
+        self.check_stop(max_model_len)
+    }
+
+    /// vLLM's stop rules, in its order: length caps, then (after min_tokens) EOS, stop tokens.
+    fn check_stop(&mut self, max_model_len: usize) -> Option<FinishReason> {
+        let num_output = self.num_output_tokens();
+        if self.tokens.len() >= max_model_len || num_output >= self.spec.max_tokens {
+            return Some(FinishReason::Length);
+        }
+        if num_output < self.spec.min_tokens {
+            return None;
+        }
+        let last = *self.tokens.last()?;
+        if !self.spec.ignore_eos && self.spec.eos_token_id == Some(last) {
+            return Some(FinishReason::Stop);
+        }
+        if self.spec.stop_token_ids.contains(&last) {
+            self.stop_token = Some(last);
+            return Some(FinishReason::Stop);
+        }
+        None
+    }
+}

@@ -1,0 +1,137 @@
+//! Live requests in a slab: dense `u32` slots for the hot path, an id map for the API, and a
+//! generation per slot so a step record never applies to a request that reused a slot.
+
+use hashbrown::HashMap;
+
+use crate::error::{broken, CoreError, CoreResult};
+use crate::request::Request;
+
+#[derive(Debug, Clone, Default)]
+struct Slot {
+    generation: u32,
+    request: Option<Request>,
+    /// Block-table row while the request is running.
+    row: Option<u32>,
+}
+
+/// Slab of live requests.
+#[derive(Debug, Clone, Default)]
+pub struct RequestStore {
+    slots: Vec<Slot>,
+    free_slots: Vec<u32>,
+    ids: HashMap<String, u32>,
+}
+
+impl RequestStore {
+    /// Number of live requests.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Whether no request is live.
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// Number of slots ever allocated (an upper bound on slot indices).
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Slot of a live request id.
+    pub fn slot_of(&self, id: &str) -> Option<u32> {
+        self.ids.get(id).copied()
+    }
+
+    /// Stores a new request (its id must be unused) and returns its slot.
+    pub fn insert(&mut self, request: Request) -> CoreResult<u32> {
+        let id = request.spec.request_id.clone();
+        if self.ids.contains_key(&id) {
+            return Err(CoreError::DuplicateRequest(id));
+        }
+        let slot = match self.free_slots.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(Slot::default());
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.slots[slot as usize].request = Some(request);
+        self.ids.insert(id, slot);
+        Ok(slot)
+    }
+
+    /// Removes a request, bumping its slot's generation.
+    pub fn remove(&mut self, slot: u32) -> CoreResult<Request> {
+        let s = self
+            .slots
+            .get_mut(slot as usize)
+            .ok_or_else(|| broken!("slot {slot} out of range"))?;
+        let request = s
+            .request
+            .take()
+            .ok_or_else(|| broken!("slot {slot} is empty"))?;
+        s.generation = s.generation.wrapping_add(1);
+        s.row = None;
+        self.ids.remove(&request.spec.request_id);
+        self.free_slots.push(slot);
+        Ok(request)
+    }
+
+    /// Generation of a slot (changes every time it is freed).
+    pub fn generation(&self, slot: u32) -> u32 {
+        self.slots
+            .get(slot as usize)
+            .map_or(u32::MAX, |s| s.generation)
+    }
+
+    /// The request in `slot`.
+    pub fn get(&self, slot: u32) -> CoreResult<&Request> {
+        self.slots
+            .get(slot as usize)
+            .and_then(|s| s.request.as_ref())
+            .ok_or_else(|| broken!("slot {slot} holds no request"))
+    }
+
+    /// The request in `slot`, mutably.
+    pub fn get_mut(&mut self, slot: u32) -> CoreResult<&mut Request> {
+        self.slots
+            .get_mut(slot as usize)
+            .and_then(|s| s.request.as_mut())
+            .ok_or_else(|| broken!("slot {slot} holds no request"))
+    }
+
+    /// The live request in `slot` if its generation still matches.
+    pub fn get_mut_if_current(&mut self, slot: u32, generation: u32) -> Option<&mut Request> {
+        let s = self.slots.get_mut(slot as usize)?;
+        if s.generation != generation {
+            return None;
+        }
+        s.request.as_mut()
+    }
+
+    /// Block-table row of the request in `slot`.
+    pub fn row(&self, slot: u32) -> Option<u32> {
+        self.slots.get(slot as usize).and_then(|s| s.row)
+    }
+
+    /// Records the block-table row of `slot`.
+    pub fn set_row(&mut self, slot: u32, row: Option<u32>) {
+        if let Some(s) = self.slots.get_mut(slot as usize) {
+            s.row = row;
+        }
+    }
+
+    /// Every live request with its slot.
+    pub fn iter(&self) -> impl Iterator<Item = (u32, &Request)> + '_ {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.request.as_ref().map(|r| (i as u32, r)))
+    }
+
+    /// Ids of every live request.
+    pub fn ids(&self) -> impl Iterator<Item = &str> + '_ {
+        self.ids.keys().map(String::as_str)
+    }
+}

@@ -1,0 +1,833 @@
+//! The continuous-batching scheduler (vLLM 0.33 semantics, one full-attention group, sync mode).
+//!
+//! Each `schedule()` first tops up running requests (preempting when the pool is short), then,
+//! if nothing was preempted, admits waiting requests. Every allocation reserves the lookahead
+//! the speculative method needs ([`crate::lookahead`]), so every position the target or the
+//! drafter writes in the step lies in a block the request owns.
+
+use std::collections::VecDeque;
+
+use crate::batch_rows::BatchRows;
+use crate::block_table::BlockTable;
+use crate::config::SchedulerConfig;
+use crate::error::{broken, invalid, CoreError, CoreResult};
+use crate::hashing::BlockHasher;
+use crate::kv_manager::{AllocateArgs, KvCacheManager, PrefixCacheStats};
+use crate::lookahead::{lookahead_tokens, AllocationKind};
+use crate::output::{EntryKind, RequestUpdate, StepOutput, UpdateOutput};
+use crate::queue::{Policy, PriorityKey, WaitingQueue};
+use crate::request::{FinishReason, Request, RequestSpec, RequestStatus};
+use crate::request_store::RequestStore;
+
+/// Counters since construction.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    /// Preemptions.
+    pub num_preemptions: u64,
+    /// Steps scheduled.
+    pub num_steps: u64,
+    /// Requests that received draft tokens to verify, summed over steps.
+    pub num_drafts: u64,
+    /// Draft tokens verified.
+    pub num_draft_tokens: u64,
+    /// Draft tokens accepted.
+    pub num_accepted_tokens: u64,
+    /// Accepted drafts per draft position.
+    pub num_accepted_tokens_per_pos: Vec<u64>,
+    /// Requests finished.
+    pub num_finished: u64,
+}
+
+/// A scheduled entry awaiting its model output.
+#[derive(Debug, Clone, Copy)]
+struct InFlightEntry {
+    slot: u32,
+    generation: u32,
+    num_spec_tokens: u32,
+    is_prefill_chunk: bool,
+}
+
+#[derive(Debug, Clone)]
+struct InFlightStep {
+    step_id: u64,
+    entries: Vec<InFlightEntry>,
+}
+
+/// Per-step scratch state of `schedule()`.
+#[derive(Debug, Default)]
+struct StepScratch {
+    /// Tokens scheduled per slot this step (0 = not scheduled).
+    scheduled: Vec<u32>,
+    /// Entry kind per slot.
+    kind: Vec<Option<EntryKind>>,
+    /// First new block index per slot.
+    new_blocks_start: Vec<u32>,
+    /// Computed tokens before this step per slot.
+    computed_before: Vec<u32>,
+    /// Draft tokens scheduled per slot.
+    spec: Vec<Vec<u32>>,
+    hits: Vec<u32>,
+}
+
+impl StepScratch {
+    fn ensure(&mut self, num_slots: usize) {
+        if self.scheduled.len() < num_slots {
+            self.scheduled.resize(num_slots, 0);
+            self.kind.resize(num_slots, None);
+            self.new_blocks_start.resize(num_slots, 0);
+            self.computed_before.resize(num_slots, 0);
+            self.spec.resize(num_slots, Vec::new());
+        }
+    }
+
+    fn unschedule(&mut self, slot: u32) {
+        let s = slot as usize;
+        if s < self.scheduled.len() {
+            self.scheduled[s] = 0;
+            self.kind[s] = None;
+            self.spec[s].clear();
+        }
+    }
+}
+
+/// The scheduler.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    kv: KvCacheManager,
+    hasher: Option<BlockHasher>,
+    store: RequestStore,
+    waiting: WaitingQueue,
+    running: Vec<u32>,
+    rows: BatchRows,
+    finished_ids: Vec<String>,
+    in_flight: VecDeque<InFlightStep>,
+    next_step_id: u64,
+    next_arrival_seq: u64,
+    stats: SchedulerStats,
+    scratch: StepScratch,
+}
+
+impl Scheduler {
+    /// A scheduler with an empty pool.
+    pub fn new(config: SchedulerConfig) -> CoreResult<Self> {
+        config.validate()?;
+        let kv = KvCacheManager::new(
+            config.num_blocks,
+            config.block_size,
+            config.max_model_len,
+            config.enable_prefix_caching,
+        )?;
+        let hasher = config
+            .enable_prefix_caching
+            .then(|| BlockHasher::new(config.hash_algo, config.block_size, &config.hash_seed));
+        let rows = BatchRows::new(config.max_num_seqs, config.block_table_width());
+        let stats = SchedulerStats {
+            num_accepted_tokens_per_pos: vec![0; config.num_speculative_tokens],
+            ..Default::default()
+        };
+        Ok(Self {
+            waiting: WaitingQueue::new(config.policy),
+            config,
+            kv,
+            hasher,
+            store: RequestStore::default(),
+            running: Vec::new(),
+            rows,
+            finished_ids: Vec::new(),
+            in_flight: VecDeque::new(),
+            next_step_id: 0,
+            next_arrival_seq: 0,
+            stats,
+            scratch: StepScratch::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// The KV-cache manager (read-only).
+    pub fn kv(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    /// The persistent block table; rows `[0, n)` are the last step's batch.
+    pub fn block_table(&self) -> &BlockTable {
+        self.rows.table()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &SchedulerStats {
+        &self.stats
+    }
+
+    /// Prefix-cache lookup counters.
+    pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
+        self.kv.prefix_cache_stats()
+    }
+
+    /// The lookahead the policy in use gives a running request.
+    pub fn lookahead_tokens(&self) -> usize {
+        self.lookahead_for(AllocationKind::Running)
+    }
+
+    fn lookahead_for(&self, kind: AllocationKind) -> usize {
+        lookahead_tokens(
+            self.config.spec_method,
+            self.config.num_speculative_tokens,
+            self.config.lookahead_policy,
+            kind,
+        )
+    }
+
+    /// Live requests.
+    pub fn requests(&self) -> &RequestStore {
+        &self.store
+    }
+
+    /// Slot of a live request.
+    pub fn slot_of(&self, request_id: &str) -> Option<u32> {
+        self.store.slot_of(request_id)
+    }
+
+    /// Running requests (slots) in running order.
+    pub fn running(&self) -> &[u32] {
+        &self.running
+    }
+
+    /// Number of waiting (incl. preempted) requests.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Waiting slots in admission order.
+    pub fn waiting_in_order(&self) -> Vec<u32> {
+        self.waiting.handles_in_order()
+    }
+
+    /// Requests not yet finished.
+    pub fn num_unfinished(&self) -> usize {
+        self.store.len()
+    }
+
+    /// Validates and enqueues a request; returns its slot.
+    pub fn add_request(&mut self, spec: RequestSpec) -> CoreResult<u32> {
+        if spec.request_id.is_empty() {
+            return Err(invalid!("request_id must be a non-empty string"));
+        }
+        if self.store.slot_of(&spec.request_id).is_some() {
+            return Err(CoreError::DuplicateRequest(spec.request_id));
+        }
+        if spec.prompt_token_ids.is_empty() {
+            return Err(invalid!(
+                "request {:?}: prompt_token_ids must not be empty",
+                spec.request_id
+            ));
+        }
+        if spec.prompt_token_ids.len() > self.config.max_model_len {
+            return Err(CoreError::TooLong(format!(
+                "request {:?}: prompt of {} tokens exceeds max_model_len {}",
+                spec.request_id,
+                spec.prompt_token_ids.len(),
+                self.config.max_model_len
+            )));
+        }
+        if spec.max_tokens == 0 {
+            return Err(invalid!(
+                "request {:?}: max_tokens must be >= 1",
+                spec.request_id
+            ));
+        }
+        if !spec.arrival_time.is_finite() {
+            return Err(invalid!(
+                "request {:?}: arrival_time must be finite",
+                spec.request_id
+            ));
+        }
+        let seq = self.next_arrival_seq;
+        self.next_arrival_seq += 1;
+        let request = Request::new(spec, seq, self.hasher.as_ref());
+        let key = priority_key(&request);
+        let slot = self.store.insert(request)?;
+        self.waiting.push_back(slot, key);
+        Ok(slot)
+    }
+
+    /// Installs draft tokens for the next step; ignores unknown, finished, waiting and
+    /// prefill-chunk requests. Returns how many requests took drafts.
+    pub fn update_draft_token_ids<'a>(
+        &mut self,
+        drafts: impl IntoIterator<Item = (&'a str, &'a [u32])>,
+    ) -> usize {
+        let mut applied = 0;
+        for (id, tokens) in drafts {
+            let Some(slot) = self.store.slot_of(id) else {
+                continue;
+            };
+            if let Ok(r) = self.store.get_mut(slot) {
+                if r.status == RequestStatus::Running && !r.is_prefill_chunk {
+                    r.spec_token_ids.clear();
+                    r.spec_token_ids.extend_from_slice(tokens);
+                    applied += 1;
+                }
+            }
+        }
+        applied
+    }
+
+    /// Draft tokens for the requests of the last step's batch, in batch order (row `i` gets
+    /// `tokens[offsets[i]..offsets[i+1]]`); same filtering as [`Self::update_draft_token_ids`].
+    pub fn update_draft_token_ids_for_slots(
+        &mut self,
+        slots: &[u32],
+        tokens: &[u32],
+        counts: &[u32],
+    ) -> CoreResult<usize> {
+        if slots.len() != counts.len() {
+            return Err(invalid!(
+                "{} requests but {} draft counts",
+                slots.len(),
+                counts.len()
+            ));
+        }
+        let total: usize = counts.iter().map(|&c| c as usize).sum();
+        if total != tokens.len() {
+            return Err(invalid!(
+                "draft counts sum to {total} but {} draft tokens were given",
+                tokens.len()
+            ));
+        }
+        let mut applied = 0;
+        let mut start = 0;
+        for (&slot, &count) in slots.iter().zip(counts) {
+            let end = start + count as usize;
+            if let Ok(r) = self.store.get_mut(slot) {
+                if r.status == RequestStatus::Running && !r.is_prefill_chunk {
+                    r.spec_token_ids.clear();
+                    r.spec_token_ids.extend_from_slice(&tokens[start..end]);
+                    applied += 1;
+                }
+            }
+            start = end;
+        }
+        Ok(applied)
+    }
+
+    /// Plans one step into `out`.
+    pub fn schedule(&mut self, out: &mut StepOutput) -> CoreResult<()> {
+        out.clear();
+        self.scratch.ensure(self.store_capacity());
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut scheduled_order: Vec<u32> = Vec::with_capacity(self.running.len());
+        let mut preempted_any = false;
+
+        self.schedule_running(&mut budget, &mut scheduled_order, &mut preempted_any, out)?;
+        if !preempted_any {
+            self.schedule_waiting(&mut budget, &mut scheduled_order)?;
+        }
+        self.finish_step(out, scheduled_order)
+    }
+
+    fn store_capacity(&self) -> usize {
+        self.store.capacity()
+    }
+
+    /// Phase A: running requests, in running order.
+    fn schedule_running(
+        &mut self,
+        budget: &mut usize,
+        scheduled_order: &mut Vec<u32>,
+        preempted_any: &mut bool,
+        out: &mut StepOutput,
+    ) -> CoreResult<()> {
+        let lookahead = self.lookahead_for(AllocationKind::Running);
+        let threshold = self.config.long_prefill_token_threshold;
+        let max_model_len = self.config.max_model_len;
+        let mut index = 0;
+        while index < self.running.len() && *budget > 0 {
+            let slot = self.running[index];
+            let r = self.store.get(slot)?;
+            let computed = r.num_computed_tokens;
+            let mut num_new = (r.num_tokens() + r.spec_token_ids.len()).saturating_sub(computed);
+            if threshold > 0 && num_new > threshold {
+                num_new = threshold;
+            }
+            num_new = num_new
+                .min(*budget)
+                .min(max_model_len.saturating_sub(1 + computed));
+            if num_new == 0 {
+                index += 1;
+                continue;
+            }
+            let mut allocated = None;
+            loop {
+                let r = self.store.get_mut(slot)?;
+                let args = AllocateArgs {
+                    num_new_tokens: num_new,
+                    num_computed_tokens: computed,
+                    num_lookahead_tokens: lookahead,
+                    ..Default::default()
+                };
+                let seq = crate::kv_manager::SequenceView {
+                    num_tokens: r.tokens.len(),
+                    block_hashes: &r.block_hashes,
+                };
+                if let Some(first_new) = self.kv.allocate_slots(&mut r.blocks, seq, args)? {
+                    allocated = Some(first_new);
+                    break;
+                }
+                let victim_index = self.pick_victim()?;
+                let victim = self.running.remove(victim_index);
+                *preempted_any = true;
+                if victim_index < index {
+                    // Priority policy: the victim was already scheduled this step; undo it.
+                    *budget += self.scratch.scheduled[victim as usize] as usize;
+                    self.scratch.unschedule(victim);
+                    scheduled_order.retain(|&s| s != victim);
+                    index -= 1;
+                }
+                self.preempt(victim, out)?;
+                if victim == slot {
+                    break;
+                }
+            }
+            let Some(first_new) = allocated else {
+                if self.config.policy == Policy::Priority {
+                    // The current request preempted itself; try the next one (vLLM 0.33).
+                    continue;
+                }
+                break;
+            };
+            if let Some(row) = self.store.row(slot) {
+                let r = self.store.get(slot)?;
+                self.rows
+                    .append(row as usize, &r.blocks.block_ids[first_new..]);
+            }
+            let r = self.store.get_mut(slot)?;
+            let s = slot as usize;
+            self.scratch.scheduled[s] = num_new as u32;
+            self.scratch.kind[s] = Some(EntryKind::Running);
+            self.scratch.new_blocks_start[s] = first_new as u32;
+            self.scratch.computed_before[s] = computed as u32;
+            self.scratch.spec[s].clear();
+            let num_spec = (num_new + computed).saturating_sub(r.num_tokens());
+            if num_spec > 0 && !r.spec_token_ids.is_empty() {
+                let n = num_spec.min(r.spec_token_ids.len());
+                self.scratch.spec[s].extend_from_slice(&r.spec_token_ids[..n]);
+            }
+            r.spec_token_ids.clear();
+            scheduled_order.push(slot);
+            *budget -= num_new;
+            index += 1;
+        }
+        Ok(())
+    }
+
+    /// Index in `running` of the request to preempt.
+    fn pick_victim(&self) -> CoreResult<usize> {
+        if self.running.is_empty() {
+            return Err(broken!(
+                "allocation failed with no running request to preempt"
+            ));
+        }
+        match self.config.policy {
+            Policy::Fcfs => Ok(self.running.len() - 1),
+            Policy::Priority => {
+                let mut best = 0;
+                let mut best_key = priority_key(self.store.get(self.running[0])?);
+                for (i, &slot) in self.running.iter().enumerate().skip(1) {
+                    let key = priority_key(self.store.get(slot)?);
+                    // Largest key = lowest priority, latest arrival.
+                    if key.cmp_key(&best_key).is_ge() {
+                        best = i;
+                        best_key = key;
+                    }
+                }
+                Ok(best)
+            }
+        }
+    }
+
+    /// Recompute preemption: free the blocks (full ones stay cached), reset progress, back to
+    /// the front of the waiting queue. The caller already removed it from `running`.
+    fn preempt(&mut self, slot: u32, out: &mut StepOutput) -> CoreResult<()> {
+        self.rows.remove(&mut self.store, slot);
+        let r = self.store.get_mut(slot)?;
+        self.kv.free(&mut r.blocks);
+        r.status = RequestStatus::Preempted;
+        r.num_computed_tokens = 0;
+        r.spec_token_ids.clear();
+        r.is_prefill_chunk = false;
+        r.num_preemptions += 1;
+        out.preempted_req_ids.push(r.spec.request_id.clone());
+        let key = priority_key(r);
+        self.waiting.push_front(slot, key);
+        self.stats.num_preemptions += 1;
+        Ok(())
+    }
+
+    /// Phase B: waiting requests, strict FCFS (or priority) admission.
+    fn schedule_waiting(
+        &mut self,
+        budget: &mut usize,
+        scheduled_order: &mut Vec<u32>,
+    ) -> CoreResult<()> {
+        let threshold = self.config.long_prefill_token_threshold;
+        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(slot) = self.waiting.peek() else {
+                break;
+            };
+            let r = self.store.get(slot)?;
+            let computed_before_hits = r.num_computed_tokens;
+            let hit_tokens = self
+                .kv
+                .get_computed_blocks(r.sequence(), &mut self.scratch.hits);
+            let mut num_new = r.num_tokens() - hit_tokens;
+            if threshold > 0 && num_new > threshold {
+                num_new = threshold;
+            }
+            if !self.config.enable_chunked_prefill && num_new > *budget {
+                break;
+            }
+            num_new = num_new.min(*budget);
+            let lookahead = self.lookahead_for(AllocationKind::Admission {
+                num_computed_tokens: computed_before_hits,
+            });
+            let r = self.store.get_mut(slot)?;
+            let seq = crate::kv_manager::SequenceView {
+                num_tokens: r.tokens.len(),
+                block_hashes: &r.block_hashes,
+            };
+            let args = AllocateArgs {
+                num_new_tokens: num_new,
+                num_computed_tokens: 0,
+                num_new_computed_tokens: hit_tokens,
+                new_computed_blocks: &self.scratch.hits,
+                num_lookahead_tokens: lookahead,
+                full_sequence_must_fit: true,
+            };
+            if self.kv.allocate_slots(&mut r.blocks, seq, args)?.is_none() {
+                break;
+            }
+            self.waiting.pop();
+            let kind = if r.status == RequestStatus::Preempted {
+                EntryKind::Resumed
+            } else {
+                EntryKind::New
+            };
+            r.status = RequestStatus::Running;
+            r.num_computed_tokens = hit_tokens;
+            let blocks = std::mem::take(&mut r.blocks.block_ids);
+            self.rows.add(&mut self.store, slot, &blocks);
+            self.store.get_mut(slot)?.blocks.block_ids = blocks;
+            self.running.push(slot);
+            let s = slot as usize;
+            self.scratch.scheduled[s] = num_new as u32;
+            self.scratch.kind[s] = Some(kind);
+            self.scratch.new_blocks_start[s] = 0;
+            self.scratch.computed_before[s] = hit_tokens as u32;
+            self.scratch.spec[s].clear();
+            scheduled_order.push(slot);
+            *budget -= num_new;
+        }
+        Ok(())
+    }
+
+    /// Phase C: lay the batch out in the block table, fill `out`, advance computed tokens.
+    fn finish_step(&mut self, out: &mut StepOutput, scheduled_order: Vec<u32>) -> CoreResult<()> {
+        let scheduled = &self.scratch.scheduled;
+        self.rows.partition_scheduled(&mut self.store, |slot| {
+            scheduled.get(slot as usize).is_some_and(|&n| n > 0)
+        });
+        debug_assert_eq!(
+            self.rows
+                .owners()
+                .iter()
+                .take_while(|&&s| self.scratch.scheduled[s as usize] > 0)
+                .count(),
+            scheduled_order.len()
+        );
+        let step_id = self.next_step_id;
+        self.next_step_id += 1;
+        out.step_id = step_id;
+        out.num_lookahead_tokens = self.lookahead_tokens();
+        out.query_start_loc.push(0);
+        let mut entries = Vec::with_capacity(scheduled_order.len());
+        let mut total = 0usize;
+        for i in 0..scheduled_order.len() {
+            let slot = self.rows.owners()[i];
+            let s = slot as usize;
+            let num_new = self.scratch.scheduled[s] as usize;
+            let generation = self.store.generation(slot);
+            let r = self.store.get_mut(slot)?;
+            r.num_computed_tokens += num_new;
+            r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens();
+            total += num_new;
+            out.slots.push(slot);
+            out.kinds
+                .push(self.scratch.kind[s].ok_or_else(|| broken!("scheduled slot without kind"))?);
+            out.num_scheduled_tokens.push(num_new as i32);
+            out.num_computed_tokens
+                .push(self.scratch.computed_before[s] as i32);
+            out.query_start_loc.push(total as i32);
+            out.is_prefill_chunk.push(r.is_prefill_chunk);
+            out.new_blocks_start.push(self.scratch.new_blocks_start[s]);
+            let spec = &self.scratch.spec[s];
+            out.spec_token_ids.extend_from_slice(spec);
+            out.num_spec_tokens.push(spec.len() as u32);
+            entries.push(InFlightEntry {
+                slot,
+                generation,
+                num_spec_tokens: spec.len() as u32,
+                is_prefill_chunk: r.is_prefill_chunk,
+            });
+            self.scratch.scheduled[s] = 0;
+            self.scratch.kind[s] = None;
+        }
+        out.total_num_scheduled_tokens = total;
+        out.finished_req_ids.append(&mut self.finished_ids);
+        self.in_flight.push_back(InFlightStep { step_id, entries });
+        self.stats.num_steps += 1;
+        Ok(())
+    }
+
+    /// Applies the model's sampled tokens for step `step_id` (the oldest step in flight):
+    /// `counts[i]` tokens for batch entry `i`, flat in `tokens`. Rolls back rejected drafts,
+    /// appends accepted tokens with stop checks, and finishes stopped requests.
+    pub fn update_from_output(
+        &mut self,
+        step_id: u64,
+        tokens: &[u32],
+        counts: &[u32],
+        out: &mut UpdateOutput,
+    ) -> CoreResult<()> {
+        out.updates.clear();
+        out.new_token_ids.clear();
+        let Some(step) = self.in_flight.front() else {
+            return Err(CoreError::State(format!(
+                "no step is awaiting output (step {step_id} was already applied, or schedule() was not called)"
+            )));
+        };
+        if step.step_id != step_id {
+            return Err(CoreError::State(if step_id < step.step_id {
+                format!("the output of step {step_id} was already applied")
+            } else {
+                format!("outputs must be applied in order: step {} is still awaiting output, got step {step_id}", step.step_id)
+            }));
+        }
+        if counts.len() != step.entries.len() {
+            return Err(invalid!(
+                "the model output has {} requests but step {step_id} scheduled {}",
+                counts.len(),
+                step.entries.len()
+            ));
+        }
+        let total: usize = counts.iter().map(|&c| c as usize).sum();
+        if total != tokens.len() {
+            return Err(invalid!(
+                "sampled counts sum to {total} but {} tokens were given",
+                tokens.len()
+            ));
+        }
+        for (i, (e, &c)) in step.entries.iter().zip(counts).enumerate() {
+            if c > e.num_spec_tokens + 1 {
+                return Err(invalid!(
+                    "request at batch index {i} sampled {c} tokens but only {} can be accepted (1 + {} drafts)",
+                    e.num_spec_tokens + 1,
+                    e.num_spec_tokens
+                ));
+            }
+        }
+        let step = self
+            .in_flight
+            .pop_front()
+            .ok_or_else(|| broken!("in-flight step vanished"))?;
+        let max_model_len = self.config.max_model_len;
+        let mut start = 0usize;
+        for (e, &count) in step.entries.iter().zip(counts) {
+            let sampled = &tokens[start..start + count as usize];
+            start += count as usize;
+            let Some(r) = self.store.get_mut_if_current(e.slot, e.generation) else {
+                continue;
+            };
+            if r.is_finished() || sampled.is_empty() || e.is_prefill_chunk {
+                continue;
+            }
+            if e.num_spec_tokens > 0 {
+                let accepted = sampled.len() as u32 - 1;
+                let rejected = e.num_spec_tokens - accepted;
+                if r.num_computed_tokens > 0 {
+                    r.num_computed_tokens -= rejected as usize;
+                }
+                self.stats.num_drafts += 1;
+                self.stats.num_draft_tokens += e.num_spec_tokens as u64;
+                self.stats.num_accepted_tokens += accepted as u64;
+                for pos in 0..accepted as usize {
+                    if let Some(c) = self.stats.num_accepted_tokens_per_pos.get_mut(pos) {
+                        *c += 1;
+                    }
+                }
+            }
+            let tokens_start = out.new_token_ids.len() as u32;
+            let mut finish = None;
+            for &t in sampled {
+                out.new_token_ids.push(t);
+                finish = r.append_and_check_stop(t, max_model_len, self.hasher.as_ref());
+                if finish.is_some() {
+                    break;
+                }
+            }
+            let stop_token = r.stop_token;
+            out.updates.push(RequestUpdate {
+                slot: e.slot,
+                tokens_start,
+                tokens_end: out.new_token_ids.len() as u32,
+                finish_reason: finish,
+                stop_token,
+            });
+            if let Some(reason) = finish {
+                self.finish(e.slot, reason)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Finishes a live request: out of the queues, blocks freed, id reported once.
+    fn finish(&mut self, slot: u32, reason: FinishReason) -> CoreResult<()> {
+        let status = self.store.get(slot)?.status;
+        match status {
+            RequestStatus::Running => {
+                if let Some(i) = self.running.iter().position(|&s| s == slot) {
+                    self.running.remove(i);
+                }
+                self.rows.remove(&mut self.store, slot);
+            }
+            RequestStatus::Waiting | RequestStatus::Preempted => {
+                self.waiting.remove(slot);
+            }
+            RequestStatus::Finished(_) => return Ok(()),
+        }
+        let mut r = self.store.remove(slot)?;
+        self.kv.free(&mut r.blocks);
+        r.status = RequestStatus::Finished(reason);
+        self.finished_ids.push(r.spec.request_id);
+        self.stats.num_finished += 1;
+        Ok(())
+    }
+
+    /// Finishes the given requests (e.g. aborts); unknown ids are ignored. Returns the ids
+    /// actually finished.
+    pub fn finish_requests<'a>(
+        &mut self,
+        ids: impl IntoIterator<Item = &'a str>,
+        reason: FinishReason,
+    ) -> CoreResult<Vec<String>> {
+        let mut done = Vec::new();
+        for id in ids {
+            if let Some(slot) = self.store.slot_of(id) {
+                self.finish(slot, reason)?;
+                done.push(id.to_owned());
+            }
+        }
+        Ok(done)
+    }
+
+    /// Empties the prefix cache; false while any block is held.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.kv.reset_prefix_cache()
+    }
+
+    /// Checks every invariant: pool accounting and ref counts, queue membership, block-table
+    /// rows, and the ownership contract (every running request owns slots for
+    /// `min(num_computed + required lookahead, max_model_len)` positions).
+    pub fn check_invariants(&self) -> CoreResult<()> {
+        self.kv
+            .check_invariants(self.store.iter().map(|(_, r)| &r.blocks))?;
+        if self.running.len() > self.config.max_num_seqs {
+            return Err(broken!(
+                "{} running requests exceed max_num_seqs {}",
+                self.running.len(),
+                self.config.max_num_seqs
+            ));
+        }
+        if self.running.len() + self.waiting.len() != self.store.len() {
+            return Err(broken!(
+                "running {} + waiting {} != live requests {}",
+                self.running.len(),
+                self.waiting.len(),
+                self.store.len()
+            ));
+        }
+        let table = self.rows.table();
+        let required = self.config.required_lookahead();
+        let bs = self.config.block_size;
+        for &slot in &self.running {
+            let r = self.store.get(slot)?;
+            if r.status != RequestStatus::Running {
+                return Err(broken!(
+                    "request {:?} is in running with status {:?}",
+                    r.spec.request_id,
+                    r.status
+                ));
+            }
+            let row = self
+                .store
+                .row(slot)
+                .ok_or_else(|| broken!("running request without a row"))?
+                as usize;
+            let ids: Vec<i32> = r.blocks.block_ids.iter().map(|&b| b as i32).collect();
+            if table.row(row) != ids.as_slice() {
+                return Err(broken!(
+                    "block-table row {row} differs from request {:?}'s blocks",
+                    r.spec.request_id
+                ));
+            }
+            if table.full_row(row)[ids.len()..].iter().any(|&x| x != 0) {
+                return Err(broken!(
+                    "block-table row {row} holds stale ids past its count"
+                ));
+            }
+            let must_own = (r.num_computed_tokens + required).min(self.config.max_model_len);
+            if r.blocks.block_ids.len() * bs < must_own {
+                return Err(broken!(
+                    "ownership: request {:?} owns {} slots but positions up to {} must be writable",
+                    r.spec.request_id,
+                    r.blocks.block_ids.len() * bs,
+                    must_own
+                ));
+            }
+        }
+        for slot in self.waiting.handles_in_order() {
+            let r = self.store.get(slot)?;
+            if !matches!(r.status, RequestStatus::Waiting | RequestStatus::Preempted) {
+                return Err(broken!(
+                    "request {:?} is waiting with status {:?}",
+                    r.spec.request_id,
+                    r.status
+                ));
+            }
+            if !r.blocks.block_ids.is_empty() || self.store.row(slot).is_some() {
+                return Err(broken!(
+                    "waiting request {:?} holds blocks or a row",
+                    r.spec.request_id
+                ));
+            }
+        }
+        for row in self.rows.len()..table.num_rows() {
+            if table.counts()[row] != 0 || table.full_row(row).iter().any(|&x| x != 0) {
+                return Err(broken!("unused block-table row {row} is not zero"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn priority_key(r: &Request) -> PriorityKey {
+    PriorityKey {
+        priority: r.spec.priority,
+        arrival_time: r.spec.arrival_time,
+        arrival_seq: r.arrival_seq,
+    }
+}

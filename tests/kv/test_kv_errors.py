@@ -1,0 +1,316 @@
+"""Bad input raises a typed error with a useful message and changes nothing.
+
+Every case runs against the same populated manager (held blocks, cached free blocks, a request
+with available hits) and compares a full snapshot -- free count and order, ref counts, block
+ids, block hashes, cached counts, lookup stats -- before and after the failing call.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, NamedTuple, Type
+
+import numpy as np
+import pytest
+
+import dflash_rs
+from dflash_rs import (
+    DFlashRsError,
+    DuplicateRequestError,
+    InvalidArgumentError,
+    KVCacheManager,
+    PromptTooLongError,
+    UnknownRequestError,
+)
+
+from .kv_model import snapshot
+
+BS = 4
+MML = 64
+
+
+def populated(enable_prefix_caching: bool = True) -> KVCacheManager:
+    """11 blocks of 4 tokens, max_model_len 64.
+
+    held  : 9 tokens, holds blocks [1, 2, 3] (blocks 1, 2 cached)
+    gone  : allocated [4, 5] and freed: blocks 4, 5 are free but still cached
+    fresh : 10 tokens sharing held's first 8; no blocks; hits [1, 2] available
+    exact8: 8 tokens = held's 2 cached blocks; no blocks
+    other : 4 unrelated tokens; no blocks
+    """
+    m = KVCacheManager(11, BS, MML, enable_prefix_caching=enable_prefix_caching)
+    m.add_request("held", list(range(9)))
+    assert m.allocate_slots("held", 9, num_computed_tokens=0) == [1, 2, 3]
+    m.add_request("gone", list(range(20, 28)))
+    assert m.allocate_slots("gone", 8, num_computed_tokens=0) == [4, 5]
+    m.free("gone")
+    m.add_request("fresh", [*range(8), 100, 101])
+    m.add_request("exact8", list(range(8)))
+    m.add_request("other", [50, 51, 52, 53])
+    m.check_invariants()
+    return m
+
+
+def alloc(rid: str, new: Any = 1, **kw: Any) -> Callable[[KVCacheManager], Any]:
+    kw.setdefault("num_computed_tokens", 0)
+    return lambda m: m.allocate_slots(rid, new, **kw)
+
+
+def hits(rid: str, blocks: Any, tokens: Any = None, new: int = 1, **kw: Any) -> Callable:
+    n = len(blocks) * BS if tokens is None else tokens
+    return alloc(rid, new, num_new_computed_tokens=n, new_computed_blocks=blocks, **kw)
+
+
+class Case(NamedTuple):
+    call: Callable[[KVCacheManager], Any]
+    exc: Type[BaseException]
+    fragment: str
+    caching: bool = True
+
+
+CASES = {
+    # ---- unknown ids (KeyError subclass), every entry point
+    "alloc-unknown-id": Case(alloc("nope"), UnknownRequestError, 'unknown request id "nope"'),
+    "free-unknown-id": Case(lambda m: m.free("nope"), UnknownRequestError, "unknown request id"),
+    "free-twice": Case(lambda m: m.free("gone"), UnknownRequestError, 'unknown request id "gone"'),
+    "append-unknown-id": Case(
+        lambda m: m.append_token_ids("nope", [1]), UnknownRequestError, "unknown request id"
+    ),
+    "get-computed-unknown-id": Case(
+        lambda m: m.get_computed_blocks("nope"), UnknownRequestError, "unknown request id"
+    ),
+    "block-ids-unknown-id": Case(
+        lambda m: m.block_ids("nope"), UnknownRequestError, "unknown request id"
+    ),
+    "num-tokens-unknown-id": Case(
+        lambda m: m.num_tokens("nope"), UnknownRequestError, "unknown request id"
+    ),
+    "block-hashes-unknown-id": Case(
+        lambda m: m.block_hashes("nope"), UnknownRequestError, "unknown request id"
+    ),
+    "num-cached-unknown-id": Case(
+        lambda m: m.num_cached_blocks("nope"), UnknownRequestError, "unknown request id"
+    ),
+    # ---- add_request
+    "duplicate-id": Case(
+        lambda m: m.add_request("held", [1]), DuplicateRequestError, 'request id "held"'
+    ),
+    "duplicate-id-no-blocks": Case(
+        lambda m: m.add_request("fresh", [1]), DuplicateRequestError, "already in use"
+    ),
+    "empty-id": Case(lambda m: m.add_request("", [1]), InvalidArgumentError, "non-empty"),
+    "empty-prompt": Case(lambda m: m.add_request("x", []), InvalidArgumentError, "empty"),
+    "empty-prompt-numpy": Case(
+        lambda m: m.add_request("x", np.array([], dtype=np.int64)), InvalidArgumentError, "empty"
+    ),
+    "prompt-too-long": Case(
+        lambda m: m.add_request("x", [1] * (MML + 1)), PromptTooLongError, "max_model_len"
+    ),
+    "tokens-str": Case(lambda m: m.add_request("x", "abc"), InvalidArgumentError, "string"),
+    "tokens-float": Case(
+        lambda m: m.add_request("x", [1.0, 2.0]), InvalidArgumentError, "sequence of ints"
+    ),
+    "tokens-none": Case(lambda m: m.add_request("x", None), InvalidArgumentError, "token_ids"),
+    "tokens-nested": Case(lambda m: m.add_request("x", [[1]]), InvalidArgumentError, "token_ids"),
+    "tokens-numpy-float": Case(
+        lambda m: m.add_request("x", np.array([1.0])), InvalidArgumentError, "int32 or int64"
+    ),
+    "tokens-numpy-uint8": Case(
+        lambda m: m.add_request("x", np.array([1], dtype=np.uint8)),
+        InvalidArgumentError,
+        "int32 or int64",
+    ),
+    "tokens-numpy-2d": Case(
+        lambda m: m.add_request("x", np.array([[1, 2]], dtype=np.int64)),
+        InvalidArgumentError,
+        "1-D",
+    ),
+    "token-negative": Case(lambda m: m.add_request("x", [1, -1]), InvalidArgumentError, "-1"),
+    "token-2**31": Case(
+        lambda m: m.add_request("x", [2**31]), InvalidArgumentError, "2147483648"
+    ),
+    "token-huge": Case(lambda m: m.add_request("x", [2**70]), InvalidArgumentError, "token_ids"),
+    "token-numpy-negative": Case(
+        lambda m: m.add_request("x", np.array([3, -5], dtype=np.int32)),
+        InvalidArgumentError,
+        "-5",
+    ),
+    "token-numpy-2**40": Case(
+        lambda m: m.add_request("x", np.array([2**40], dtype=np.int64)),
+        InvalidArgumentError,
+        "1099511627776",
+    ),
+    "request-id-int": Case(lambda m: m.add_request(5, [1]), TypeError, "str"),
+    "cache-salt-int": Case(lambda m: m.add_request("x", [1], cache_salt=5), TypeError, "str"),
+    "lora-name-int": Case(lambda m: m.add_request("x", [1], lora_name=5), TypeError, "str"),
+    # ---- append_token_ids (all-or-nothing: a bad token later in the list appends nothing)
+    "append-beyond-max-model-len": Case(
+        lambda m: m.append_token_ids("held", [1] * (MML - 9 + 1)),
+        PromptTooLongError,
+        "max_model_len",
+    ),
+    "append-negative-after-good": Case(
+        lambda m: m.append_token_ids("held", [1, 2, -1]), InvalidArgumentError, "-1"
+    ),
+    "append-str": Case(
+        lambda m: m.append_token_ids("held", "abc"), InvalidArgumentError, "string"
+    ),
+    "append-float": Case(
+        lambda m: m.append_token_ids("held", [1.5]), InvalidArgumentError, "token_ids"
+    ),
+    # ---- allocate_slots: counts
+    "negative-new-tokens": Case(alloc("fresh", -1), InvalidArgumentError, "num_new_tokens"),
+    "zero-new-tokens": Case(alloc("fresh", 0), InvalidArgumentError, "positive"),
+    "zero-new-tokens-running": Case(
+        alloc("held", 0, num_computed_tokens=9), InvalidArgumentError, "positive"
+    ),
+    "negative-computed": Case(
+        alloc("fresh", num_computed_tokens=-1), InvalidArgumentError, "num_computed_tokens"
+    ),
+    "negative-new-computed": Case(
+        alloc("fresh", num_new_computed_tokens=-4), InvalidArgumentError, "num_new_computed"
+    ),
+    "negative-lookahead": Case(
+        alloc("fresh", num_lookahead_tokens=-1), InvalidArgumentError, "num_lookahead_tokens"
+    ),
+    "over-max-model-len-new": Case(alloc("fresh", MML + 1), PromptTooLongError, "max_model_len"),
+    "over-max-model-len-running": Case(
+        alloc("held", MML - 9 + 1, num_computed_tokens=9), PromptTooLongError, "max_model_len"
+    ),
+    "over-max-model-len-with-hits": Case(
+        hits("fresh", [1, 2], new=MML - 8 + 1), PromptTooLongError, "max_model_len"
+    ),
+    "computed-beyond-owned-slots": Case(
+        alloc("held", num_computed_tokens=13), InvalidArgumentError, "13"
+    ),
+    "computed-without-blocks": Case(
+        alloc("fresh", num_computed_tokens=1), InvalidArgumentError, "num_computed_tokens"
+    ),
+    # ---- allocate_slots: hits
+    "hits-tokens-without-blocks": Case(
+        hits("fresh", [], tokens=4), InvalidArgumentError, "num_new_computed_tokens"
+    ),
+    "hits-blocks-without-tokens": Case(
+        hits("fresh", [1], tokens=0), InvalidArgumentError, "num_new_computed_tokens"
+    ),
+    "hits-partial-block-tokens": Case(
+        hits("fresh", [1], tokens=3), InvalidArgumentError, "num_new_computed_tokens"
+    ),
+    "hits-wrong-id": Case(hits("fresh", [2]), InvalidArgumentError, "new_computed_blocks[0]"),
+    "hits-wrong-order": Case(hits("fresh", [2, 1]), InvalidArgumentError, "new_computed_blocks"),
+    "hits-duplicate": Case(hits("fresh", [1, 1]), InvalidArgumentError, "new_computed_blocks[1]"),
+    "hits-beyond-cached-prefix": Case(
+        hits("fresh", [1, 2, 3]), InvalidArgumentError, "new_computed_blocks[2]"
+    ),
+    "hits-other-prefix-cached-free-block": Case(
+        hits("fresh", [4]), InvalidArgumentError, "new_computed_blocks[0]"
+    ),
+    "hits-null-block": Case(hits("fresh", [0]), InvalidArgumentError, "new_computed_blocks"),
+    "hits-out-of-range": Case(hits("fresh", [99]), InvalidArgumentError, "new_computed_blocks"),
+    "hits-negative-id": Case(hits("fresh", [-1]), InvalidArgumentError, "new_computed_blocks"),
+    "hits-not-this-requests-prefix": Case(
+        hits("other", [1]), InvalidArgumentError, "new_computed_blocks[0]"
+    ),
+    "hits-for-request-holding-blocks": Case(
+        hits("held", [1], num_computed_tokens=0), InvalidArgumentError, "holds no blocks"
+    ),
+    "hits-with-computed-tokens": Case(
+        hits("fresh", [1], num_computed_tokens=4), InvalidArgumentError, "new_computed_blocks"
+    ),
+    "hits-cover-whole-sequence": Case(
+        hits("exact8", [1, 2]), InvalidArgumentError, "not below"
+    ),
+    "hits-with-caching-disabled": Case(
+        hits("fresh", [1]), InvalidArgumentError, "new_computed_blocks[0]", caching=False
+    ),
+    # ---- allocate_slots: Python types
+    "new-tokens-float": Case(alloc("fresh", 1.0), TypeError, "integer"),
+    "new-tokens-str": Case(alloc("fresh", "1"), TypeError, "integer"),
+    "lookahead-float": Case(alloc("fresh", num_lookahead_tokens=2.0), TypeError, "integer"),
+    "computed-missing": Case(
+        lambda m: m.allocate_slots("fresh", 1), TypeError, "num_computed_tokens"
+    ),
+    "hits-none": Case(
+        lambda m: m.allocate_slots("fresh", 1, num_computed_tokens=0, new_computed_blocks=None),
+        TypeError,
+        "",
+    ),
+    "hits-float-ids": Case(hits("fresh", [1.0]), TypeError, ""),
+    # ---- debug helpers
+    "ref-count-out-of-range": Case(lambda m: m.ref_count(11), InvalidArgumentError, "range"),
+    "ref-count-negative": Case(lambda m: m.ref_count(-1), InvalidArgumentError, "range"),
+    "block-hash-out-of-range": Case(lambda m: m.block_hash(11), InvalidArgumentError, "range"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_bad_input_raises_and_changes_nothing(case: Case) -> None:
+    m = populated(case.caching)
+    before = snapshot(m)
+    with pytest.raises(case.exc, match=re.escape(case.fragment)) as info:
+        case.call(m)
+    if case.exc is not TypeError:
+        assert isinstance(info.value, DFlashRsError)
+    assert snapshot(m) == before
+    m.check_invariants()
+    # The manager still works after the error: the pending request can be admitted normally.
+    hit_blocks, num_hit = m.get_computed_blocks("fresh")
+    assert (hit_blocks, num_hit) == (([1, 2], 8) if case.caching else ([], 0))
+    new = m.allocate_slots(
+        "fresh",
+        10 - num_hit,
+        num_computed_tokens=0,
+        num_new_computed_tokens=num_hit,
+        new_computed_blocks=hit_blocks,
+    )
+    assert new is not None
+    m.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "exc", "fragment"),
+    [
+        pytest.param((1, 4, 64), {}, InvalidArgumentError, "num_blocks", id="num-blocks-1"),
+        pytest.param((0, 4, 64), {}, InvalidArgumentError, "num_blocks", id="num-blocks-0"),
+        pytest.param((-1, 4, 64), {}, InvalidArgumentError, "num_blocks", id="num-blocks-neg"),
+        pytest.param((11, 0, 64), {}, InvalidArgumentError, "block_size", id="block-size-0"),
+        pytest.param((11, -4, 64), {}, InvalidArgumentError, "block_size", id="block-size-neg"),
+        pytest.param((11, 4, 0), {}, InvalidArgumentError, "max_model_len", id="mml-0"),
+        pytest.param(
+            (11, 4, 64), {"hash_algo": "md5"}, InvalidArgumentError, "hash_algo", id="algo-md5"
+        ),
+        pytest.param(
+            (11, 4, 64), {"hash_algo": "SHA256"}, InvalidArgumentError, "hash_algo", id="algo-case"
+        ),
+        pytest.param(
+            (11, 4, 64), {"hash_algo": ""}, InvalidArgumentError, "hash_algo", id="algo-empty"
+        ),
+        pytest.param((11.0, 4, 64), {}, TypeError, "", id="num-blocks-float"),
+        pytest.param((11, "4", 64), {}, TypeError, "", id="block-size-str"),
+    ],
+)
+def test_bad_constructor_arguments(
+    args: tuple, kwargs: dict, exc: Type[BaseException], fragment: str
+) -> None:
+    with pytest.raises(exc, match=re.escape(fragment)):
+        KVCacheManager(*args, **kwargs)
+
+
+def test_error_hierarchy() -> None:
+    assert dflash_rs.errors.UnknownRequestError is UnknownRequestError
+    for cls, builtin in [
+        (InvalidArgumentError, ValueError),
+        (UnknownRequestError, KeyError),
+        (DuplicateRequestError, ValueError),
+        (PromptTooLongError, ValueError),
+        (dflash_rs.OutOfBlocksError, RuntimeError),
+        (dflash_rs.SchedulerStateError, RuntimeError),
+        (dflash_rs.InvariantError, AssertionError),
+    ]:
+        assert issubclass(cls, DFlashRsError) and issubclass(cls, builtin)
+    # Callers catching the builtin keep working.
+    m = KVCacheManager(4, 4, 64)
+    with pytest.raises(KeyError):
+        m.free("nope")
+    with pytest.raises(ValueError):
+        m.add_request("x", [])
