@@ -6,7 +6,16 @@ lookahead) owned by the request that writes them, from the very first prefill on
 
 from __future__ import annotations
 
-from dflash_rs._core import KVCacheManager, __version__
+from dflash_rs._core import (
+    CachedRequestData,
+    KVCacheManager,
+    NewRequestData,
+    RequestOutput,
+    Scheduler,
+    SchedulerOutput,
+    __version__,
+)
+from dflash_rs.config import SPECULATIVE_METHODS, SchedulerConfig, SpeculativeConfig
 from dflash_rs.errors import (
     DFlashRsError,
     DuplicateRequestError,
@@ -17,16 +26,27 @@ from dflash_rs.errors import (
     SchedulerStateError,
     UnknownRequestError,
 )
+from dflash_rs.request import ModelRunnerOutput, Request
 
 __all__ = [
+    "SPECULATIVE_METHODS",
+    "CachedRequestData",
     "DFlashRsError",
     "DuplicateRequestError",
     "InvalidArgumentError",
     "InvariantError",
     "KVCacheManager",
+    "ModelRunnerOutput",
+    "NewRequestData",
     "OutOfBlocksError",
     "PromptTooLongError",
+    "Request",
+    "RequestOutput",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
     "SchedulerStateError",
+    "SpeculativeConfig",
     "UnknownRequestError",
     "__version__",
 ]

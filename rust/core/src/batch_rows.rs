@@ -63,7 +63,11 @@ impl BatchRows {
         let Some(row) = store.row(slot) else { return };
         let row = row as usize;
         let last = self.owners.len() - 1;
-        self.table.move_row(last, row);
+        if row == last {
+            self.table.clear(row);
+        } else {
+            self.table.move_row(last, row);
+        }
         self.owners.swap_remove(row);
         if row != last {
             store.set_row(self.owners[row], Some(row as u32));

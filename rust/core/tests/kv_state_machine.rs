@@ -93,6 +93,20 @@ enum Op {
         req: Index,
     },
     ResetPrefixCache,
+    /// An invalid allocate_slots call: it must fail and change nothing.
+    Misuse {
+        req: Index,
+        kind: Misuse,
+    },
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Misuse {
+    NoNewTokens,
+    HitLengthMismatch,
+    ComputedPastOwnedSlots,
+    BlockIdOutOfRange,
+    MissingBlockHashes,
 }
 
 #[derive(Debug, Clone)]
@@ -182,8 +196,16 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         8 => step,
         3 => append,
         1 => any::<Index>().prop_map(|req| Op::Preempt { req }),
-        2 => any::<Index>().prop_map(|req| Op::Finish { req }),
+        3 => any::<Index>().prop_map(|req| Op::Finish { req }),
         1 => Just(Op::ResetPrefixCache),
+        1 => (any::<Index>(), prop::sample::select(vec![
+            Misuse::NoNewTokens,
+            Misuse::HitLengthMismatch,
+            Misuse::ComputedPastOwnedSlots,
+            Misuse::BlockIdOutOfRange,
+            Misuse::MissingBlockHashes,
+        ]))
+            .prop_map(|(req, kind)| Op::Misuse { req, kind }),
     ]
 }
 
@@ -612,6 +634,7 @@ struct Coverage {
     duplicate_keys: Cell<u64>,
     resets: Cell<u64>,
     refused_resets: Cell<u64>,
+    refused_misuse: Cell<u64>,
 }
 
 fn bump(counter: &Cell<u64>) {
@@ -716,6 +739,12 @@ impl<'a> Harness<'a> {
                 }
             }
             Op::ResetPrefixCache => self.reset_prefix_cache()?,
+            Op::Misuse { req, kind } => {
+                if !self.live.is_empty() {
+                    let i = req.index(self.live.len());
+                    self.misuse(i, *kind)?;
+                }
+            }
         }
         check_all(&self.mgr, &self.model, &self.live)
     }
@@ -947,6 +976,59 @@ impl<'a> Harness<'a> {
         Ok(())
     }
 
+    /// Calls no correct caller makes must return an error and leave everything as it was.
+    fn misuse(&mut self, i: usize, kind: Misuse) -> Result<(), TestCaseError> {
+        let bs = self.cfg.block_size;
+        let before = Snapshot::take(&self.mgr, &self.live);
+        let out_of_range = [self.cfg.num_blocks as u32 + 3];
+        let r = &mut self.live[i];
+        let owned_slots = r.real.block_ids.len() * bs;
+        let mut args = AllocateArgs {
+            num_new_tokens: 1,
+            num_computed_tokens: r.num_computed_tokens,
+            ..AllocateArgs::default()
+        };
+        let mut view = r.content.view();
+        match kind {
+            Misuse::NoNewTokens => args.num_new_tokens = 0,
+            Misuse::HitLengthMismatch => args.num_new_computed_tokens = bs,
+            Misuse::ComputedPastOwnedSlots => args.num_computed_tokens = owned_slots + 1,
+            Misuse::BlockIdOutOfRange => {
+                args.num_computed_tokens = 0;
+                args.num_new_computed_tokens = bs;
+                args.new_computed_blocks = &out_of_range;
+            }
+            Misuse::MissingBlockHashes => {
+                // Caching a full block needs its hash: only an error when one would be cached.
+                let will_cache = self.cfg.caching
+                    && (r.num_computed_tokens + bs).min(r.content.tokens.len()) / bs
+                        > r.real.num_cached_blocks;
+                if !will_cache || r.num_computed_tokens + bs > self.cfg.max_model_len {
+                    return Ok(());
+                }
+                args.num_new_tokens = bs;
+                view.block_hashes = &[];
+            }
+        }
+        let got = self.mgr.allocate_slots(&mut r.real, view, args);
+        prop_assert!(
+            matches!(
+                got,
+                Err(CoreError::InvalidArgument(_) | CoreError::TooLong(_))
+            ),
+            "{:?} returned {:?}",
+            kind,
+            got
+        );
+        prop_assert_eq!(
+            Snapshot::take(&self.mgr, &self.live),
+            before,
+            "a refused call changed state"
+        );
+        bump(&self.coverage.refused_misuse);
+        Ok(())
+    }
+
     /// Invariant 9: refused (and no change) while any block is held; else forgets every hash.
     fn reset_prefix_cache(&mut self) -> Result<(), TestCaseError> {
         let before = Snapshot::take(&self.mgr, &self.live);
@@ -997,7 +1079,7 @@ fn run_case(cfg: Config, ops: &[Op], coverage: &Coverage) -> Result<(), TestCase
 fn kv_manager_matches_reference_model() {
     let coverage = Coverage::default();
     let mut runner = TestRunner::new(proptest_config(STATE_MACHINE_CASES));
-    let strategy = (config_strategy(), vec(op_strategy(), 1..=60));
+    let strategy = (config_strategy(), vec(op_strategy(), 1..=100));
     let result = runner.run(&strategy, |(cfg, ops)| run_case(cfg, &ops, &coverage));
     if let Err(e) = result {
         panic!("{e}");
@@ -1024,6 +1106,7 @@ fn kv_manager_matches_reference_model() {
             ("duplicate cache keys", &coverage.duplicate_keys),
             ("prefix-cache resets", &coverage.resets),
             ("refused prefix-cache resets", &coverage.refused_resets),
+            ("refused invalid calls", &coverage.refused_misuse),
         ] {
             assert!(counter.get() > 0, "no case exercised {name}");
         }
@@ -1158,11 +1241,9 @@ fn hashed(tokens: Vec<u32>, block_size: usize) -> Content {
         tokens,
         hashes: Vec::new(),
     };
-    BlockHasher::new(HashAlgo::Sha256, block_size, b"pinned").extend_hashes(
-        &mut content.hashes,
-        &content.tokens,
-        &content.extra_keys(),
-    );
+    let hasher = BlockHasher::new(HashAlgo::Sha256, block_size, b"pinned");
+    let extra = content.extra_keys();
+    hasher.extend_hashes(&mut content.hashes, &content.tokens, &extra);
     content
 }
 

@@ -8,7 +8,7 @@ use crate::errors::{invalid, IntoPyResult};
 
 /// The root seed: the given `hash_seed` (str, bytes or int), else `PYTHONHASHSEED` as vLLM does,
 /// else 32 random bytes from the OS (hashes then differ between processes).
-fn seed_bytes(py: Python<'_>, hash_seed: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8>> {
+pub fn seed_bytes(py: Python<'_>, hash_seed: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8>> {
     if let Some(seed) = hash_seed {
         if let Ok(s) = seed.cast::<PyString>() {
             return Ok(s.to_cow()?.as_bytes().to_vec());

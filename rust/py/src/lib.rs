@@ -5,6 +5,8 @@ mod convert;
 mod errors;
 mod hash_config;
 mod kv_cache_manager;
+mod outputs;
+mod scheduler;
 
 use pyo3::prelude::*;
 
@@ -13,5 +15,10 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<kv_cache_manager::PyKvCacheManager>()?;
+    m.add_class::<scheduler::PyScheduler>()?;
+    m.add_class::<outputs::PySchedulerOutput>()?;
+    m.add_class::<outputs::PyNewRequestData>()?;
+    m.add_class::<outputs::PyCachedRequestData>()?;
+    m.add_class::<outputs::PyRequestOutput>()?;
     Ok(())
 }

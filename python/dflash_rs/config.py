@@ -1,0 +1,100 @@
+"""Scheduler and speculative-decoding configuration (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from dflash_rs.errors import InvalidArgumentError
+
+__all__ = ["SPECULATIVE_METHODS", "SchedulerConfig", "SpeculativeConfig"]
+
+#: Speculative methods and the lookahead slots each needs past the scheduled tokens, for K
+#: speculative tokens (the authoritative table lives in the Rust core, `lookahead.rs`).
+SPECULATIVE_METHODS = ("dflash", "eagle", "eagle3", "mtp", "draft_model", "ngram", "suffix")
+
+_POLICIES = ("fcfs", "priority")
+_LOOKAHEAD_POLICIES = ("correct", "legacy-first-prefill", "legacy-k")
+_HASH_ALGOS = ("sha256", "blake3", "xxh3_128")
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: the drafting method and K, its number of speculative tokens."""
+
+    method: str
+    num_speculative_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidArgumentError(
+                f"unknown speculative method {self.method!r}; expected one of "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        if self.num_speculative_tokens > 64:
+            raise InvalidArgumentError("num_speculative_tokens must be <= 64")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Pool size, limits and policies of a :class:`dflash_rs.Scheduler`.
+
+    ``lookahead_policy`` exists for tests only: the legacy values reproduce lookahead bugs that
+    real engines shipped (no lookahead on first prefill; K instead of K+1 for DFlash).
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    max_model_len: int = 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    speculative: Optional[SpeculativeConfig] = None
+    hash_algo: str = "sha256"
+    hash_seed: Optional[str] = None
+    lookahead_policy: str = "correct"
+
+    def __post_init__(self) -> None:
+        _check_int("num_blocks", self.num_blocks, 2)
+        _check_int("block_size", self.block_size, 1)
+        _check_int("max_model_len", self.max_model_len, 2)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        if self.policy not in _POLICIES:
+            raise InvalidArgumentError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.hash_algo not in _HASH_ALGOS:
+            raise InvalidArgumentError(
+                f"hash_algo must be one of {', '.join(_HASH_ALGOS)}, got {self.hash_algo!r}"
+            )
+        if self.lookahead_policy not in _LOOKAHEAD_POLICIES:
+            raise InvalidArgumentError(
+                f"lookahead_policy must be one of {', '.join(_LOOKAHEAD_POLICIES)}, "
+                f"got {self.lookahead_policy!r}"
+            )
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise InvalidArgumentError("speculative must be a SpeculativeConfig or None")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise InvalidArgumentError(
+                "without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+
+    @property
+    def spec_method(self) -> str:
+        return "none" if self.speculative is None else self.speculative.method
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens

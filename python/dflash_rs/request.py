@@ -1,0 +1,107 @@
+"""What an engine submits to the scheduler, and what the model runner reports back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from dflash_rs.errors import InvalidArgumentError
+
+__all__ = ["ModelRunnerOutput", "Request"]
+
+_MAX_TOKEN_ID = 2**31 - 1
+
+
+def _check_token(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value <= _MAX_TOKEN_ID:
+        raise InvalidArgumentError(f"{name} = {value} is outside [0, 2**31 - 1]")
+
+
+@dataclass
+class Request:
+    """One generation request. ``prompt_token_ids`` may be a list or a 1-D integer array;
+    its values are checked when the scheduler admits it (in Rust, without a Python loop)."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    max_tokens: int
+    eos_token_id: Optional[int] = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    priority: int = 0
+    arrival_time: Optional[float] = None
+    lora_name: Optional[str] = None
+    cache_salt: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise InvalidArgumentError("request_id must be a non-empty string")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InvalidArgumentError("max_tokens must be an int")
+        if self.max_tokens < 1:
+            raise InvalidArgumentError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
+            raise InvalidArgumentError("min_tokens must be an int")
+        if self.min_tokens < 0:
+            raise InvalidArgumentError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise InvalidArgumentError("priority must be an int")
+        if self.eos_token_id is not None:
+            _check_token("eos_token_id", self.eos_token_id)
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        for t in self.stop_token_ids:
+            _check_token("stop_token_ids[...]", t)
+        if self.arrival_time is None:
+            self.arrival_time = time.time()
+        for name in ("lora_name", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidArgumentError(f"{name} must be a str or None")
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The model's result for one scheduled step, in the step's batch order.
+
+    ``sampled_token_ids[i]`` holds the accepted draft tokens plus the bonus token of request
+    ``req_ids[i]`` (empty for a prefill chunk). For large batches pass flat arrays instead:
+    ``ModelRunnerOutput.from_arrays(req_ids, tokens, counts)``, which costs no Python list per
+    request. ``draft_token_ids`` (optional) holds the next step's drafts per request.
+    """
+
+    req_ids: Sequence[str]
+    sampled_token_ids: Optional[Sequence[Sequence[int]]] = None
+    draft_token_ids: Optional[Sequence[Sequence[int]]] = None
+    sampled_tokens_flat: Any = field(default=None, repr=False)
+    num_sampled_tokens: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        has_lists = self.sampled_token_ids is not None
+        has_arrays = self.sampled_tokens_flat is not None or self.num_sampled_tokens is not None
+        if has_lists == has_arrays:
+            raise InvalidArgumentError(
+                "give either sampled_token_ids or sampled_tokens_flat + num_sampled_tokens"
+            )
+        if has_arrays and (self.sampled_tokens_flat is None or self.num_sampled_tokens is None):
+            raise InvalidArgumentError("sampled_tokens_flat and num_sampled_tokens go together")
+
+    @classmethod
+    def from_arrays(
+        cls,
+        req_ids: Sequence[str],
+        sampled_tokens: Any,
+        num_sampled_tokens: Any,
+        draft_token_ids: Optional[Sequence[Sequence[int]]] = None,
+    ) -> ModelRunnerOutput:
+        """Flat int32/int64 ``sampled_tokens`` with per-request ``num_sampled_tokens``."""
+        return cls(
+            req_ids,
+            None,
+            draft_token_ids,
+            sampled_tokens_flat=sampled_tokens,
+            num_sampled_tokens=num_sampled_tokens,
+        )

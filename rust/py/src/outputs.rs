@@ -1,0 +1,299 @@
+//! Python views of one step: `SchedulerOutput` (with zero-copy block-table arrays and lazily
+//! built dicts), `NewRequestData`, `CachedRequestData` and `RequestOutput`.
+
+use numpy::{PyArray1, PyArray2};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList, PySet, PyString};
+
+/// A request scheduled for the first time (or resumed), with everything the runner needs.
+#[pyclass(module = "dflash_rs._core", name = "NewRequestData", frozen, get_all)]
+pub struct PyNewRequestData {
+    /// Request id.
+    pub req_id: Py<PyString>,
+    /// Prompt token ids.
+    pub prompt_token_ids: Py<PyList>,
+    /// Every block the request holds (prefix hits first).
+    pub block_ids: Py<PyList>,
+    /// Tokens already computed (prefix-cache hits).
+    pub num_computed_tokens: usize,
+    /// True when the request was preempted before and recomputes prompt + outputs.
+    pub resumed: bool,
+    /// Prompt + output tokens (what a resumed request recomputes).
+    pub all_token_ids: Py<PyList>,
+}
+
+#[pymethods]
+impl PyNewRequestData {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "NewRequestData(req_id={}, num_computed_tokens={}, block_ids={}, resumed={})",
+            self.req_id.bind(py),
+            self.num_computed_tokens,
+            self.block_ids.bind(py),
+            self.resumed
+        )
+    }
+}
+
+/// Requests that were running before this step (vLLM's `CachedRequestData`), plus resumed ones.
+#[pyclass(
+    module = "dflash_rs._core",
+    name = "CachedRequestData",
+    frozen,
+    get_all
+)]
+pub struct PyCachedRequestData {
+    /// Ids, in batch order.
+    pub req_ids: Py<PyList>,
+    /// Ids of requests readmitted after preemption (their `new_block_ids` replace the table).
+    pub resumed_req_ids: Py<PySet>,
+    /// Per request: blocks allocated this step, or None.
+    pub new_block_ids: Py<PyList>,
+    /// Per request: computed tokens before this step.
+    pub num_computed_tokens: Py<PyList>,
+}
+
+/// Batch-ordered data the lazy properties are built from.
+pub struct LazyParts {
+    /// Tokens scheduled per entry.
+    pub num_scheduled: Vec<i32>,
+    /// Entry kinds: 0 running, 1 new, 2 resumed.
+    pub kinds: Vec<u8>,
+    /// Draft tokens scheduled, flat, and per-entry counts.
+    pub spec_tokens: Vec<u32>,
+    /// Per-entry draft counts.
+    pub spec_counts: Vec<u32>,
+    /// Blocks allocated this step for running entries, flat, and per-entry counts.
+    pub new_blocks: Vec<u32>,
+    /// Per-entry new block counts.
+    pub new_block_counts: Vec<u32>,
+    /// Computed tokens before the step, per entry.
+    pub num_computed: Vec<i32>,
+}
+
+/// One step's schedule. Arrays are in batch order: entry `i` is `req_ids[i]` and row `i` of
+/// `block_table`. `block_table` and `num_blocks_per_row` are read-only zero-copy views of the
+/// scheduler's persistent buffers: valid until the next `schedule()` (copy them to keep them).
+#[pyclass(module = "dflash_rs._core", name = "SchedulerOutput", frozen)]
+pub struct PySchedulerOutput {
+    #[pyo3(get)]
+    pub step_id: u64,
+    #[pyo3(get)]
+    pub req_ids: Py<PyList>,
+    #[pyo3(get)]
+    pub total_num_scheduled_tokens: usize,
+    #[pyo3(get)]
+    pub block_table: Py<PyArray2<i32>>,
+    #[pyo3(get)]
+    pub num_blocks_per_row: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    pub num_scheduled_tokens_array: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    pub num_computed_tokens: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    pub query_start_loc: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    pub is_prefill_chunk: Py<PyArray1<bool>>,
+    #[pyo3(get)]
+    pub finished_req_ids: Py<PySet>,
+    #[pyo3(get)]
+    pub preempted_req_ids: Py<PySet>,
+    #[pyo3(get)]
+    pub scheduled_new_reqs: Py<PyList>,
+    #[pyo3(get)]
+    pub num_lookahead_tokens: usize,
+    pub parts: LazyParts,
+    num_scheduled_dict: PyOnceLock<Py<PyDict>>,
+    spec_dict: PyOnceLock<Py<PyDict>>,
+    cached_reqs: PyOnceLock<Py<PyCachedRequestData>>,
+}
+
+impl PySchedulerOutput {
+    /// Assembles an output; the lazy members start empty.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        step_id: u64,
+        req_ids: Py<PyList>,
+        total_num_scheduled_tokens: usize,
+        block_table: Py<PyArray2<i32>>,
+        num_blocks_per_row: Py<PyArray1<i32>>,
+        num_scheduled_tokens_array: Py<PyArray1<i32>>,
+        num_computed_tokens: Py<PyArray1<i32>>,
+        query_start_loc: Py<PyArray1<i32>>,
+        is_prefill_chunk: Py<PyArray1<bool>>,
+        finished_req_ids: Py<PySet>,
+        preempted_req_ids: Py<PySet>,
+        scheduled_new_reqs: Py<PyList>,
+        num_lookahead_tokens: usize,
+        parts: LazyParts,
+    ) -> Self {
+        Self {
+            step_id,
+            req_ids,
+            total_num_scheduled_tokens,
+            block_table,
+            num_blocks_per_row,
+            num_scheduled_tokens_array,
+            num_computed_tokens,
+            query_start_loc,
+            is_prefill_chunk,
+            finished_req_ids,
+            preempted_req_ids,
+            scheduled_new_reqs,
+            num_lookahead_tokens,
+            parts,
+            num_scheduled_dict: PyOnceLock::new(),
+            spec_dict: PyOnceLock::new(),
+            cached_reqs: PyOnceLock::new(),
+        }
+    }
+}
+
+#[pymethods]
+impl PySchedulerOutput {
+    /// Number of scheduled requests.
+    #[getter]
+    fn num_reqs(&self, py: Python<'_>) -> usize {
+        self.req_ids.bind(py).len()
+    }
+
+    /// `{req_id: tokens scheduled}` (built on first access).
+    #[getter]
+    fn num_scheduled_tokens(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let d = self
+            .num_scheduled_dict
+            .get_or_try_init(py, || -> PyResult<Py<PyDict>> {
+                let d = PyDict::new(py);
+                for (id, n) in self.req_ids.bind(py).iter().zip(&self.parts.num_scheduled) {
+                    d.set_item(id, *n)?;
+                }
+                Ok(d.unbind())
+            })?;
+        Ok(d.clone_ref(py))
+    }
+
+    /// `{req_id: draft tokens to verify}` for requests with drafts (built on first access).
+    #[getter]
+    fn scheduled_spec_decode_tokens(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let d = self
+            .spec_dict
+            .get_or_try_init(py, || -> PyResult<Py<PyDict>> {
+                let d = PyDict::new(py);
+                let mut start = 0usize;
+                for (id, &n) in self.req_ids.bind(py).iter().zip(&self.parts.spec_counts) {
+                    let end = start + n as usize;
+                    if n > 0 {
+                        d.set_item(id, PyList::new(py, &self.parts.spec_tokens[start..end])?)?;
+                    }
+                    start = end;
+                }
+                Ok(d.unbind())
+            })?;
+        Ok(d.clone_ref(py))
+    }
+
+    /// Running and resumed requests with their new blocks (built on first access).
+    #[getter]
+    fn scheduled_cached_reqs(&self, py: Python<'_>) -> PyResult<Py<PyCachedRequestData>> {
+        let c = self
+            .cached_reqs
+            .get_or_try_init(py, || -> PyResult<Py<PyCachedRequestData>> {
+                let req_ids = PyList::empty(py);
+                let resumed = PySet::empty(py)?;
+                let new_block_ids = PyList::empty(py);
+                let num_computed = PyList::empty(py);
+                let mut start = 0usize;
+                let ids = self.req_ids.bind(py);
+                for (i, id) in ids.iter().enumerate() {
+                    let count = self.parts.new_block_counts[i] as usize;
+                    let blocks = &self.parts.new_blocks[start..start + count];
+                    start += count;
+                    match self.parts.kinds[i] {
+                        0 => {
+                            req_ids.append(&id)?;
+                            if count == 0 {
+                                new_block_ids.append(py.None())?;
+                            } else {
+                                new_block_ids.append(PyList::new(py, blocks)?)?;
+                            }
+                            num_computed.append(self.parts.num_computed[i])?;
+                        }
+                        2 => {
+                            req_ids.append(&id)?;
+                            resumed.add(&id)?;
+                            new_block_ids.append(PyList::new(py, blocks)?)?;
+                            num_computed.append(self.parts.num_computed[i])?;
+                        }
+                        _ => {}
+                    }
+                }
+                Py::new(
+                    py,
+                    PyCachedRequestData {
+                        req_ids: req_ids.unbind(),
+                        resumed_req_ids: resumed.unbind(),
+                        new_block_ids: new_block_ids.unbind(),
+                        num_computed_tokens: num_computed.unbind(),
+                    },
+                )
+            })?;
+        Ok(c.clone_ref(py))
+    }
+
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.req_ids.bind(py).len()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "SchedulerOutput(step_id={}, num_reqs={}, total_num_scheduled_tokens={}, new={}, \
+             finished={}, preempted={})",
+            self.step_id,
+            self.req_ids.bind(py).len(),
+            self.total_num_scheduled_tokens,
+            self.scheduled_new_reqs.bind(py).len(),
+            self.finished_req_ids.bind(py).len(),
+            self.preempted_req_ids.bind(py).len()
+        )
+    }
+}
+
+/// What one request got from one `update_from_output`.
+#[pyclass(module = "dflash_rs._core", name = "RequestOutput", frozen)]
+pub struct PyRequestOutput {
+    #[pyo3(get)]
+    pub request_id: Py<PyString>,
+    pub new_tokens: Vec<u32>,
+    /// "stop", "length", "abort", "error", or None while running.
+    #[pyo3(get)]
+    pub finish_reason: Option<&'static str>,
+    /// The stop token that ended the request, if any.
+    #[pyo3(get)]
+    pub stop_reason: Option<u32>,
+}
+
+#[pymethods]
+impl PyRequestOutput {
+    /// Tokens accepted in this step (accepted drafts + bonus, cut at a stop).
+    #[getter]
+    fn new_token_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        Ok(PyList::new(py, &self.new_tokens)?.unbind())
+    }
+
+    /// Whether the request finished in this step.
+    #[getter]
+    fn finished(&self) -> bool {
+        self.finish_reason.is_some()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "RequestOutput(request_id={}, new_token_ids={:?}, finish_reason={})",
+            self.request_id.bind(py),
+            self.new_tokens,
+            self.finish_reason
+                .map_or("None".to_owned(), |r| format!("'{r}'"))
+        )
+    }
+}

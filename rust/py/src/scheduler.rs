@@ -1,0 +1,649 @@
+//! `dflash_rs.Scheduler`: the per-step loop in Rust, crossing into Python once per call with
+//! flat arrays. Request ids are interned once per request, so a step creates no Python string
+//! and no Python object per block.
+
+use dflash_core::lookahead::{LookaheadPolicy, SpecMethod};
+use dflash_core::{
+    CoreError, EntryKind, ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec, Scheduler,
+    SchedulerConfig, StepOutput, UpdateOutput,
+};
+use numpy::ndarray::{ArrayView1, ArrayView2};
+use numpy::{PyArray1, PyArray2};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PySet, PyString};
+
+use crate::convert::{non_negative, token_ids};
+use crate::errors::{invalid, to_py, IntoPyResult};
+use crate::outputs::{LazyParts, PyNewRequestData, PyRequestOutput, PySchedulerOutput};
+
+/// Continuous-batching scheduler with DFlash-safe lookahead allocation.
+#[pyclass(module = "dflash_rs._core", name = "Scheduler")]
+pub struct PyScheduler {
+    inner: Scheduler,
+    /// Interned request id per slot.
+    ids: Vec<Option<Py<PyString>>>,
+    step: StepOutput,
+    update: UpdateOutput,
+    config: Py<PyAny>,
+}
+
+fn attr<'py, T: FromPyObjectOwned<'py>>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<T> {
+    let py = obj.py();
+    obj.getattr(name)
+        .map_err(|_| invalid(py, format!("config has no attribute {name:?}")))?
+        .extract::<T>()
+        .map_err(|_| invalid(py, format!("config.{name} has the wrong type")))
+}
+
+fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
+    let py = config.py();
+    let count =
+        |name: &str| -> PyResult<usize> { non_negative(py, name, attr::<i64>(config, name)?) };
+    let mut c = SchedulerConfig::new(
+        count("num_blocks")?,
+        count("block_size")?,
+        count("max_model_len")?,
+        count("max_num_seqs")?,
+        count("max_num_batched_tokens")?,
+    );
+    c.enable_prefix_caching = attr(config, "enable_prefix_caching")?;
+    c.enable_chunked_prefill = attr(config, "enable_chunked_prefill")?;
+    c.long_prefill_token_threshold = count("long_prefill_token_threshold")?;
+    c.policy = Policy::from_name(&attr::<String>(config, "policy")?).py(py)?;
+    c.hash_algo = HashAlgo::from_name(&attr::<String>(config, "hash_algo")?).py(py)?;
+    c.lookahead_policy =
+        LookaheadPolicy::from_name(&attr::<String>(config, "lookahead_policy")?).py(py)?;
+    let speculative = config.getattr("speculative")?;
+    if !speculative.is_none() {
+        c.spec_method = SpecMethod::from_name(&attr::<String>(&speculative, "method")?).py(py)?;
+        c.num_speculative_tokens = non_negative(
+            py,
+            "num_speculative_tokens",
+            attr(&speculative, "num_speculative_tokens")?,
+        )?;
+    }
+    let seed: Option<Bound<'_, PyAny>> = config.getattr("hash_seed").ok().filter(|s| !s.is_none());
+    c.hash_seed = crate::hash_config::seed_bytes(py, seed.as_ref())?;
+    c.validate().py(py)?;
+    Ok(c)
+}
+
+fn finish_reason_from_name(py: Python<'_>, name: &str) -> PyResult<FinishReason> {
+    match name {
+        "abort" | "aborted" | "FINISHED_ABORTED" => Ok(FinishReason::Abort),
+        "stop" | "stopped" | "FINISHED_STOPPED" => Ok(FinishReason::Stop),
+        "length" | "FINISHED_LENGTH_CAPPED" => Ok(FinishReason::Length),
+        "error" | "FINISHED_ERROR" => Ok(FinishReason::Error),
+        other => Err(invalid(
+            py,
+            format!("unknown finish status {other:?}; expected abort, stop, length or error"),
+        )),
+    }
+}
+
+fn opt_token(py: Python<'_>, what: &str, v: Option<i64>) -> PyResult<Option<u32>> {
+    v.map(|t| {
+        u32::try_from(t)
+            .ok()
+            .filter(|&t| t <= i32::MAX as u32)
+            .ok_or_else(|| invalid(py, format!("{what} = {t} is outside [0, 2**31 - 1]")))
+    })
+    .transpose()
+}
+
+fn request_spec(req: &Bound<'_, PyAny>) -> PyResult<RequestSpec> {
+    let py = req.py();
+    let get = |name: &str| {
+        req.getattr(name)
+            .map_err(|_| invalid(py, format!("request has no attribute {name:?}")))
+    };
+    let request_id: String = get("request_id")?
+        .extract()
+        .map_err(|_| invalid(py, "request_id must be a str"))?;
+    let prompt = token_ids(&get("prompt_token_ids")?, "prompt_token_ids")?;
+    let max_tokens: i64 = get("max_tokens")?.extract()?;
+    let min_tokens: i64 = get("min_tokens")?.extract()?;
+    let stop = token_ids(&get("stop_token_ids")?, "stop_token_ids")?;
+    let arrival = get("arrival_time")?;
+    let arrival_time: f64 = if arrival.is_none() {
+        0.0
+    } else {
+        arrival.extract()?
+    };
+    Ok(RequestSpec {
+        request_id,
+        prompt_token_ids: prompt,
+        max_tokens: non_negative(py, "max_tokens", max_tokens)?,
+        eos_token_id: opt_token(py, "eos_token_id", get("eos_token_id")?.extract()?)?,
+        stop_token_ids: stop,
+        ignore_eos: get("ignore_eos")?.extract()?,
+        min_tokens: non_negative(py, "min_tokens", min_tokens)?,
+        priority: get("priority")?.extract()?,
+        arrival_time,
+        extra: ExtraKeys {
+            lora_name: get("lora_name")?.extract()?,
+            cache_salt: get("cache_salt")?.extract()?,
+        },
+    })
+}
+
+impl PyScheduler {
+    fn intern_id(&mut self, py: Python<'_>, slot: u32, id: &str) {
+        let s = slot as usize;
+        if self.ids.len() <= s {
+            self.ids.resize_with(s + 1, || None);
+        }
+        self.ids[s] = Some(PyString::new(py, id).unbind());
+    }
+
+    fn id_of(&self, py: Python<'_>, slot: u32) -> PyResult<Py<PyString>> {
+        self.ids
+            .get(slot as usize)
+            .and_then(|x| x.as_ref())
+            .map(|s| s.clone_ref(py))
+            .ok_or_else(|| {
+                to_py(
+                    py,
+                    CoreError::Invariant(format!("slot {slot} has no interned id")),
+                )
+            })
+    }
+
+    /// Drops interned ids of slots whose requests are gone.
+    fn forget_finished(&mut self) {
+        for (slot, id) in self.ids.iter_mut().enumerate() {
+            if id.is_some() && self.inner.requests().get(slot as u32).is_err() {
+                *id = None;
+            }
+        }
+    }
+
+    fn build_output(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
+        let py = slf.py();
+        let this = slf.borrow();
+        let step = &this.step;
+        let n = step.num_reqs();
+        let table = this.inner.block_table();
+        let width = table.width();
+        let container = slf.clone().into_any();
+        // SAFETY: the table buffers are boxed slices allocated once in `Scheduler::new` and never
+        // reallocated; `container` (this scheduler) is kept alive by the arrays as their base.
+        let block_table = unsafe {
+            let view = ArrayView2::from_shape((n, width), &table.as_slice()[..n * width])
+                .map_err(|e| to_py(py, CoreError::Invariant(e.to_string())))?;
+            PyArray2::borrow_from_array(&view, container.clone())
+        };
+        let counts = unsafe {
+            let view = ArrayView1::from(&table.counts()[..n]);
+            PyArray1::borrow_from_array(&view, container)
+        };
+        for arr in [block_table.as_any(), counts.as_any()] {
+            let kwargs = PyDict::new(py);
+            kwargs.set_item("write", false)?;
+            arr.call_method("setflags", (), Some(&kwargs))?;
+        }
+        let req_ids = PyList::empty(py);
+        let new_reqs = PyList::empty(py);
+        let mut kinds = Vec::with_capacity(n);
+        let mut new_blocks = Vec::new();
+        let mut new_block_counts = Vec::with_capacity(n);
+        for i in 0..n {
+            let slot = step.slots[i];
+            let id = this.id_of(py, slot)?;
+            let r = this.inner.requests().get(slot).py(py)?;
+            let start = step.new_blocks_start[i] as usize;
+            let blocks = &r.blocks.block_ids[start..];
+            new_blocks.extend_from_slice(blocks);
+            new_block_counts.push(blocks.len() as u32);
+            let kind = step.kinds[i];
+            kinds.push(match kind {
+                EntryKind::Running => 0u8,
+                EntryKind::New => 1,
+                EntryKind::Resumed => 2,
+            });
+            if kind != EntryKind::Running {
+                let data = PyNewRequestData {
+                    req_id: id.clone_ref(py),
+                    prompt_token_ids: PyList::new(py, &r.spec.prompt_token_ids)?.unbind(),
+                    block_ids: PyList::new(py, &r.blocks.block_ids)?.unbind(),
+                    num_computed_tokens: step.num_computed_tokens[i] as usize,
+                    resumed: kind == EntryKind::Resumed,
+                    all_token_ids: PyList::new(py, &r.tokens)?.unbind(),
+                };
+                new_reqs.append(Py::new(py, data)?)?;
+            }
+            req_ids.append(id)?;
+        }
+        let finished = PySet::new(py, &step.finished_req_ids)?;
+        let preempted = PySet::new(py, &step.preempted_req_ids)?;
+        let parts = LazyParts {
+            num_scheduled: step.num_scheduled_tokens.clone(),
+            kinds,
+            spec_tokens: step.spec_token_ids.clone(),
+            spec_counts: step.num_spec_tokens.clone(),
+            new_blocks,
+            new_block_counts,
+            num_computed: step.num_computed_tokens.clone(),
+        };
+        Ok(PySchedulerOutput::new(
+            step.step_id,
+            req_ids.unbind(),
+            step.total_num_scheduled_tokens,
+            block_table.unbind(),
+            counts.unbind(),
+            PyArray1::from_slice(py, &step.num_scheduled_tokens).unbind(),
+            PyArray1::from_slice(py, &step.num_computed_tokens).unbind(),
+            PyArray1::from_slice(py, &step.query_start_loc).unbind(),
+            PyArray1::from_slice(py, &step.is_prefill_chunk).unbind(),
+            finished.unbind(),
+            preempted.unbind(),
+            new_reqs.unbind(),
+            step.num_lookahead_tokens,
+            parts,
+        ))
+    }
+
+    /// Sampled tokens as flat tokens + counts, from lists or arrays.
+    fn sampled_from_runner(
+        py: Python<'_>,
+        runner: &Bound<'_, PyAny>,
+    ) -> PyResult<(Vec<u32>, Vec<u32>)> {
+        let flat = runner.getattr("sampled_tokens_flat")?;
+        if !flat.is_none() {
+            let tokens = token_ids(&flat, "sampled_tokens_flat")?;
+            let counts = token_ids(&runner.getattr("num_sampled_tokens")?, "num_sampled_tokens")?;
+            return Ok((tokens, counts));
+        }
+        let lists = runner.getattr("sampled_token_ids")?;
+        let mut tokens = Vec::new();
+        let mut counts = Vec::new();
+        for (i, item) in lists
+            .try_iter()
+            .map_err(|_| invalid(py, "sampled_token_ids must be a sequence"))?
+            .enumerate()
+        {
+            let item = item?;
+            let t = token_ids(&item, &format!("sampled_token_ids[{i}]"))?;
+            counts.push(t.len() as u32);
+            tokens.extend_from_slice(&t);
+        }
+        Ok((tokens, counts))
+    }
+
+    fn check_req_ids(
+        py: Python<'_>,
+        output: &PySchedulerOutput,
+        runner_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let expected = output.req_ids.bind(py);
+        if runner_ids.is(expected) {
+            return Ok(());
+        }
+        let n = runner_ids
+            .len()
+            .map_err(|_| invalid(py, "req_ids must be a sequence of str"))?;
+        if n != expected.len() {
+            return Err(invalid(
+                py,
+                format!(
+                    "ModelRunnerOutput has {n} req_ids but the step scheduled {}",
+                    expected.len()
+                ),
+            ));
+        }
+        for (i, (a, b)) in runner_ids.try_iter()?.zip(expected.iter()).enumerate() {
+            let a = a?;
+            if !a.is(&b) && !a.eq(&b)? {
+                return Err(invalid(
+                    py,
+                    format!(
+                        "ModelRunnerOutput.req_ids[{i}] = {a} but the step scheduled {b} there"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn apply_draft_dict(&mut self, py: Python<'_>, drafts: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let dict = drafts
+            .cast::<PyDict>()
+            .map_err(|_| invalid(py, "draft token ids must be a dict[str, list[int]]"))?;
+        let mut parsed: Vec<(String, Vec<u32>)> = Vec::with_capacity(dict.len());
+        for (k, v) in dict.iter() {
+            let id: String = k
+                .extract()
+                .map_err(|_| invalid(py, "draft token ids must be keyed by request id (str)"))?;
+            let tokens = token_ids(&v, &format!("draft_token_ids[{id:?}]"))?;
+            parsed.push((id, tokens));
+        }
+        Ok(self
+            .inner
+            .update_draft_token_ids(parsed.iter().map(|(id, t)| (id.as_str(), t.as_slice()))))
+    }
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    fn new(py: Python<'_>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let core_config = config_from_py(config)?;
+        let inner = Scheduler::new(core_config).py(py)?;
+        Ok(Self {
+            inner,
+            ids: Vec::new(),
+            step: StepOutput::default(),
+            update: UpdateOutput::default(),
+            config: config.clone().unbind(),
+        })
+    }
+
+    /// The configuration this scheduler was built from.
+    #[getter]
+    fn config(&self, py: Python<'_>) -> Py<PyAny> {
+        self.config.clone_ref(py)
+    }
+
+    /// Enqueues a request (hashing its prompt blocks in Rust).
+    fn add_request(&mut self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        let spec = request_spec(request)?;
+        let id = spec.request_id.clone();
+        let slot = py.detach(|| self.inner.add_request(spec)).py(py)?;
+        self.intern_id(py, slot, &id);
+        Ok(())
+    }
+
+    /// Plans one step.
+    fn schedule(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
+        let py = slf.py();
+        {
+            let mut this = slf.borrow_mut();
+            let this = &mut *this;
+            let (inner, step) = (&mut this.inner, &mut this.step);
+            py.detach(|| inner.schedule(step)).py(py)?;
+        }
+        Self::build_output(slf)
+    }
+
+    /// Applies the model's output for `output`'s step; returns one `RequestOutput` per request
+    /// that received tokens, in batch order. Drafts in `runner_output.draft_token_ids` are
+    /// installed for the next step.
+    fn update_from_output(
+        &mut self,
+        py: Python<'_>,
+        output: &Bound<'_, PySchedulerOutput>,
+        runner_output: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyList>> {
+        let out = output.get();
+        Self::check_req_ids(py, out, &runner_output.getattr("req_ids")?)?;
+        let (tokens, counts) = Self::sampled_from_runner(py, runner_output)?;
+        let drafts = runner_output.getattr("draft_token_ids")?;
+        let draft_lists: Option<Vec<Vec<u32>>> = if drafts.is_none() {
+            None
+        } else {
+            let mut v = Vec::new();
+            for (i, item) in drafts.try_iter()?.enumerate() {
+                v.push(token_ids(&item?, &format!("draft_token_ids[{i}]"))?);
+            }
+            if v.len() != counts.len() {
+                return Err(invalid(
+                    py,
+                    format!("{} draft lists for {} requests", v.len(), counts.len()),
+                ));
+            }
+            Some(v)
+        };
+        let step_id = out.step_id;
+        {
+            let (inner, update) = (&mut self.inner, &mut self.update);
+            py.detach(|| inner.update_from_output(step_id, &tokens, &counts, update))
+                .py(py)?;
+        }
+        let list = PyList::empty(py);
+        for u in &self.update.updates {
+            let ro = PyRequestOutput {
+                request_id: self.id_of(py, u.slot)?,
+                new_tokens: self.update.new_token_ids
+                    [u.tokens_start as usize..u.tokens_end as usize]
+                    .to_vec(),
+                finish_reason: u.finish_reason.map(FinishReason::name),
+                stop_reason: if u.finish_reason.is_some() {
+                    u.stop_token
+                } else {
+                    None
+                },
+            };
+            list.append(Py::new(py, ro)?)?;
+        }
+        if let Some(lists) = draft_lists {
+            let ids = out.req_ids.bind(py);
+            let mut owned = Vec::with_capacity(lists.len());
+            for id in ids.iter() {
+                owned.push(id.extract::<String>()?);
+            }
+            self.inner.update_draft_token_ids(
+                owned
+                    .iter()
+                    .map(String::as_str)
+                    .zip(lists.iter().map(Vec::as_slice)),
+            );
+        }
+        self.forget_finished();
+        Ok(list.unbind())
+    }
+
+    /// Installs draft tokens for the next step: `{req_id: [token, ...]}`. Unknown, finished,
+    /// waiting and prefill-chunk requests are ignored. Returns how many requests took drafts.
+    fn update_draft_token_ids(
+        &mut self,
+        py: Python<'_>,
+        draft_token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        self.apply_draft_dict(py, draft_token_ids)
+    }
+
+    /// Drafts for the requests of `output`'s batch, as flat tokens + per-request counts
+    /// (no Python list per request).
+    fn update_draft_token_ids_from_arrays(
+        &mut self,
+        py: Python<'_>,
+        output: &Bound<'_, PySchedulerOutput>,
+        draft_tokens: &Bound<'_, PyAny>,
+        num_draft_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let tokens = token_ids(draft_tokens, "draft_tokens")?;
+        let counts = token_ids(num_draft_tokens, "num_draft_tokens")?;
+        let out = output.get();
+        let ids = out.req_ids.bind(py);
+        let mut slots = Vec::with_capacity(ids.len());
+        for id in ids.iter() {
+            let id: String = id.extract()?;
+            slots.push(self.inner.slot_of(&id).unwrap_or(u32::MAX));
+        }
+        self.inner
+            .update_draft_token_ids_for_slots(&slots, &tokens, &counts)
+            .py(py)
+    }
+
+    /// Finishes requests (default: aborted); unknown or finished ids are ignored. Returns the
+    /// ids actually finished.
+    #[pyo3(signature = (request_ids, status="abort"))]
+    fn finish_requests(
+        &mut self,
+        py: Python<'_>,
+        request_ids: &Bound<'_, PyAny>,
+        status: &str,
+    ) -> PyResult<Vec<String>> {
+        let reason = finish_reason_from_name(py, status)?;
+        let ids: Vec<String> = if let Ok(s) = request_ids.extract::<String>() {
+            vec![s]
+        } else {
+            request_ids
+                .extract()
+                .map_err(|_| invalid(py, "request_ids must be a str or an iterable of str"))?
+        };
+        let done = self
+            .inner
+            .finish_requests(ids.iter().map(String::as_str), reason)
+            .py(py)?;
+        self.forget_finished();
+        Ok(done)
+    }
+
+    /// Whether the id is live (waiting or running).
+    fn has_request(&self, request_id: &str) -> bool {
+        self.inner.slot_of(request_id).is_some()
+    }
+
+    fn has_unfinished_requests(&self) -> bool {
+        self.inner.num_unfinished() > 0
+    }
+
+    fn get_num_unfinished_requests(&self) -> usize {
+        self.inner.num_unfinished()
+    }
+
+    /// (running, waiting) counts.
+    fn get_request_counts(&self) -> (usize, usize) {
+        (self.inner.running().len(), self.inner.num_waiting())
+    }
+
+    /// Empties the prefix cache; False while any block is held.
+    fn reset_prefix_cache(&mut self) -> bool {
+        self.inner.reset_prefix_cache()
+    }
+
+    /// Blocks held by a live request.
+    fn block_ids(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<u32>> {
+        let slot = self
+            .inner
+            .slot_of(request_id)
+            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
+        Ok(self
+            .inner
+            .requests()
+            .get(slot)
+            .py(py)?
+            .blocks
+            .block_ids
+            .clone())
+    }
+
+    /// Computed tokens of a live request.
+    fn num_computed_tokens(&self, py: Python<'_>, request_id: &str) -> PyResult<usize> {
+        let slot = self
+            .inner
+            .slot_of(request_id)
+            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
+        Ok(self.inner.requests().get(slot).py(py)?.num_computed_tokens)
+    }
+
+    /// Known tokens (prompt + outputs) of a live request.
+    fn all_token_ids(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<u32>> {
+        let slot = self
+            .inner
+            .slot_of(request_id)
+            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
+        Ok(self.inner.requests().get(slot).py(py)?.tokens.clone())
+    }
+
+    /// Status of a live request: "waiting", "running" or "preempted".
+    fn request_status(&self, py: Python<'_>, request_id: &str) -> PyResult<&'static str> {
+        let slot = self
+            .inner
+            .slot_of(request_id)
+            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
+        Ok(match self.inner.requests().get(slot).py(py)?.status {
+            dflash_core::RequestStatus::Waiting => "waiting",
+            dflash_core::RequestStatus::Running => "running",
+            dflash_core::RequestStatus::Preempted => "preempted",
+            dflash_core::RequestStatus::Finished(_) => "finished",
+        })
+    }
+
+    /// Running request ids, in running order.
+    fn running_request_ids(&self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
+        self.inner
+            .running()
+            .iter()
+            .map(|&s| self.id_of(py, s))
+            .collect()
+    }
+
+    /// Waiting request ids, in admission order.
+    fn waiting_request_ids(&self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
+        self.inner
+            .waiting_in_order()
+            .iter()
+            .map(|&s| self.id_of(py, s))
+            .collect()
+    }
+
+    /// Lookahead slots the active policy reserves past each running request's scheduled tokens.
+    #[getter]
+    fn lookahead_tokens(&self) -> usize {
+        self.inner.lookahead_tokens()
+    }
+
+    /// Lookahead the ownership contract requires for the configured method (K+1 for DFlash).
+    #[getter]
+    fn required_lookahead_tokens(&self) -> usize {
+        self.inner.config().required_lookahead()
+    }
+
+    #[getter]
+    fn kv_cache_usage(&self) -> f64 {
+        self.inner.kv().usage()
+    }
+
+    #[getter]
+    fn num_free_blocks(&self) -> usize {
+        self.inner.kv().num_free_blocks()
+    }
+
+    /// Counters: preemptions, prefix-cache queries/hits, speculative drafts/accepted, ...
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let p = self.inner.prefix_cache_stats();
+        let d = PyDict::new(py);
+        d.set_item("num_steps", s.num_steps)?;
+        d.set_item("num_preemptions", s.num_preemptions)?;
+        d.set_item("num_finished", s.num_finished)?;
+        d.set_item("num_running", self.inner.running().len())?;
+        d.set_item("num_waiting", self.inner.num_waiting())?;
+        d.set_item("kv_cache_usage", self.inner.kv().usage())?;
+        d.set_item("num_free_blocks", self.inner.kv().num_free_blocks())?;
+        d.set_item("prefix_cache_requests", p.requests)?;
+        d.set_item("prefix_cache_queries", p.queries)?;
+        d.set_item("prefix_cache_hits", p.hits)?;
+        d.set_item("spec_num_drafts", s.num_drafts)?;
+        d.set_item("spec_num_draft_tokens", s.num_draft_tokens)?;
+        d.set_item("spec_num_accepted_tokens", s.num_accepted_tokens)?;
+        d.set_item(
+            "spec_num_accepted_tokens_per_pos",
+            s.num_accepted_tokens_per_pos.clone(),
+        )?;
+        d.set_item("lookahead_tokens", self.inner.lookahead_tokens())?;
+        Ok(d)
+    }
+
+    /// Raises `InvariantError` if any invariant (pool accounting, ref counts, queues, block-table
+    /// rows, the lookahead ownership contract) is broken.
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner.check_invariants().py(py)
+    }
+
+    fn __repr__(&self) -> String {
+        let c = self.inner.config();
+        format!(
+            "Scheduler(num_blocks={}, block_size={}, method={}, K={}, lookahead={}, running={}, waiting={})",
+            c.num_blocks,
+            c.block_size,
+            c.spec_method.name(),
+            c.num_speculative_tokens,
+            self.inner.lookahead_tokens(),
+            self.inner.running().len(),
+            self.inner.num_waiting()
+        )
+    }
+}
