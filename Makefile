@@ -40,11 +40,12 @@ test-rust: ## cargo test of the core and bindings
 	cargo test --workspace --release
 
 .PHONY: lint
-lint: $(STAMP) ## clippy -D warnings, cargo fmt --check, ruff check/format --check
+lint: develop ## clippy -D warnings, cargo fmt --check, ruff, stub check (mypy.stubtest)
 	cargo clippy --workspace --all-targets --release -- -D warnings
 	cargo fmt --all --check
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
+	$(PY) -m mypy.stubtest dflash_rs._core
 
 .PHONY: test-python
 test-python: develop ## pytest (kernels run under TRITON_INTERPRET=1 without a GPU)
