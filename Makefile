@@ -14,7 +14,6 @@ help: ## Show this help
 
 $(STAMP): requirements-dev.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
@@ -33,7 +32,7 @@ demo: develop ## Run the main job: the demo (admit requests, allocate with looka
 	$(PY) -m dflash_rs demo
 
 .PHONY: test
-test: develop lint test-rust test-python ## Run the whole test suite (Rust, lints, Python)
+test: develop lint test-rust test-python wheel-check ## Run the whole test suite (Rust, lints, Python, wheel)
 
 .PHONY: test-rust
 test-rust: ## cargo test of the core and bindings
@@ -65,6 +64,10 @@ bench: develop ## Benchmarks: criterion (core) and pytest-benchmark (through Pyt
 .PHONY: wheel
 wheel: $(STAMP) ## Build the abi3 release wheel into dist/
 	source $(VENV)/bin/activate && maturin build --release -o dist
+
+.PHONY: wheel-check
+wheel-check: $(STAMP) ## Build the wheel, install it in a clean venv, check it is complete
+	scripts/check_wheel.sh
 
 .PHONY: clean
 clean: ## Remove build outputs (keeps .venv)
