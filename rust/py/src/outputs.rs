@@ -158,6 +158,12 @@ impl PySchedulerOutput {
         self.req_ids.bind(py).len()
     }
 
+    /// Draft tokens scheduled for verification per request, in batch order.
+    #[getter]
+    fn num_spec_tokens_array<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
+        PyArray1::from_slice(py, &self.parts.spec_counts)
+    }
+
     /// `{req_id: tokens scheduled}` (built on first access).
     #[getter]
     fn num_scheduled_tokens(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
