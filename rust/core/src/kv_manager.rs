@@ -290,6 +290,19 @@ impl KvCacheManager {
         Ok(Some(first_new))
     }
 
+    /// Withdraws from the prefix cache the blocks `req` registered from index `from` on, when
+    /// their KV will never be computed (a step undone before it ran). Blocks another request
+    /// also holds keep their entry.
+    pub fn uncache_blocks(&mut self, req: &mut RequestBlocks, from: usize) {
+        let end = req.num_cached_blocks.min(req.block_ids.len());
+        for &b in req.block_ids.get(from..end).unwrap_or(&[]) {
+            if self.pool.ref_count(b) == 1 {
+                self.pool.evict_hash(b);
+            }
+        }
+        req.num_cached_blocks = req.num_cached_blocks.min(from);
+    }
+
     /// Releases every block of `req`, tail first, and clears it.
     pub fn free(&mut self, req: &mut RequestBlocks) {
         self.pool.free_blocks(req.block_ids.iter().rev().copied());

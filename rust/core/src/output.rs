@@ -20,6 +20,8 @@ pub enum EntryKind {
 pub struct StepOutput {
     /// Identifies the step; `update_from_output` must be given the same id.
     pub step_id: u64,
+    /// The scheduler that produced this step.
+    pub scheduler_uid: u64,
     /// Request slot of each batch entry.
     pub slots: Vec<u32>,
     /// How each entry entered the step.

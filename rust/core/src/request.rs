@@ -161,22 +161,23 @@ impl Request {
         self.check_stop(max_model_len)
     }
 
-    /// vLLM's stop rules, in its order: length caps, then (after min_tokens) EOS, stop tokens.
+    /// vLLM's stop rules, in its order: after `min_tokens`, EOS (unless ignored), then stop
+    /// tokens; then the length caps (`max_model_len`, `max_tokens`), which apply even below
+    /// `min_tokens` so a request can always end.
     fn check_stop(&mut self, max_model_len: usize) -> Option<FinishReason> {
         let num_output = self.num_output_tokens();
+        if num_output >= self.spec.min_tokens {
+            let last = *self.tokens.last()?;
+            if !self.spec.ignore_eos && self.spec.eos_token_id == Some(last) {
+                return Some(FinishReason::Stop);
+            }
+            if self.spec.stop_token_ids.contains(&last) {
+                self.stop_token = Some(last);
+                return Some(FinishReason::Stop);
+            }
+        }
         if self.tokens.len() >= max_model_len || num_output >= self.spec.max_tokens {
             return Some(FinishReason::Length);
-        }
-        if num_output < self.spec.min_tokens {
-            return None;
-        }
-        let last = *self.tokens.last()?;
-        if !self.spec.ignore_eos && self.spec.eos_token_id == Some(last) {
-            return Some(FinishReason::Stop);
-        }
-        if self.spec.stop_token_ids.contains(&last) {
-            self.stop_token = Some(last);
-            return Some(FinishReason::Stop);
         }
         None
     }

@@ -6,6 +6,7 @@
 //! drafter writes in the step lies in a block the request owns.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::batch_rows::BatchRows;
 use crate::block_table::BlockTable;
@@ -64,6 +65,8 @@ struct StepScratch {
     new_blocks_start: Vec<u32>,
     /// Computed tokens before this step per slot.
     computed_before: Vec<u32>,
+    /// Prefix-cached blocks before this step's allocation, per slot.
+    cached_before: Vec<u32>,
     /// Draft tokens scheduled per slot.
     spec: Vec<Vec<u32>>,
     hits: Vec<u32>,
@@ -76,6 +79,7 @@ impl StepScratch {
             self.kind.resize(num_slots, None);
             self.new_blocks_start.resize(num_slots, 0);
             self.computed_before.resize(num_slots, 0);
+            self.cached_before.resize(num_slots, 0);
             self.spec.resize(num_slots, Vec::new());
         }
     }
@@ -106,7 +110,11 @@ pub struct Scheduler {
     next_arrival_seq: u64,
     stats: SchedulerStats,
     scratch: StepScratch,
+    uid: u64,
 }
+
+/// Source of scheduler identities, so an output is never applied to another scheduler.
+static NEXT_SCHEDULER_UID: AtomicU64 = AtomicU64::new(1);
 
 impl Scheduler {
     /// A scheduler with an empty pool.
@@ -140,7 +148,13 @@ impl Scheduler {
             next_arrival_seq: 0,
             stats,
             scratch: StepScratch::default(),
+            uid: NEXT_SCHEDULER_UID.fetch_add(1, Ordering::Relaxed),
         })
+    }
+
+    /// Identity of this scheduler (unique in the process); carried by its step outputs.
+    pub fn uid(&self) -> u64 {
+        self.uid
     }
 
     /// The configuration.
@@ -277,11 +291,12 @@ impl Scheduler {
         applied
     }
 
-    /// Draft tokens for the requests of the last step's batch, in batch order (row `i` gets
-    /// `tokens[offsets[i]..offsets[i+1]]`); same filtering as [`Self::update_draft_token_ids`].
+    /// Draft tokens for a step's batch, given as (slot, generation) per entry, in batch order;
+    /// entry `i` gets the next `counts[i]` tokens. Same filtering as
+    /// [`Self::update_draft_token_ids`]; entries whose request is gone are skipped.
     pub fn update_draft_token_ids_for_slots(
         &mut self,
-        slots: &[u32],
+        slots: &[(u32, u32)],
         tokens: &[u32],
         counts: &[u32],
     ) -> CoreResult<usize> {
@@ -301,9 +316,9 @@ impl Scheduler {
         }
         let mut applied = 0;
         let mut start = 0;
-        for (&slot, &count) in slots.iter().zip(counts) {
+        for (&(slot, generation), &count) in slots.iter().zip(counts) {
             let end = start + count as usize;
-            if let Ok(r) = self.store.get_mut(slot) {
+            if let Some(r) = self.store.get_mut_if_current(slot, generation) {
                 if r.status == RequestStatus::Running && !r.is_prefill_chunk {
                     r.spec_token_ids.clear();
                     r.spec_token_ids.extend_from_slice(&tokens[start..end]);
@@ -354,14 +369,19 @@ impl Scheduler {
             if threshold > 0 && num_new > threshold {
                 num_new = threshold;
             }
-            num_new = num_new
-                .min(*budget)
-                .min(max_model_len.saturating_sub(1 + computed));
+            // Every input position stays <= max_model_len - 2 (room for the sampled token), but
+            // the known tokens may always be computed: a prompt of exactly max_model_len must
+            // finish its prefill instead of waiting forever for its last token.
+            let length_cap = max_model_len
+                .saturating_sub(1 + computed)
+                .max(r.num_tokens().saturating_sub(computed));
+            num_new = num_new.min(*budget).min(length_cap);
             if num_new == 0 {
                 index += 1;
                 continue;
             }
             let mut allocated = None;
+            self.scratch.cached_before[slot as usize] = r.blocks.num_cached_blocks as u32;
             loop {
                 let r = self.store.get_mut(slot)?;
                 let args = AllocateArgs {
@@ -382,11 +402,15 @@ impl Scheduler {
                 let victim = self.running.remove(victim_index);
                 *preempted_any = true;
                 if victim_index < index {
-                    // Priority policy: the victim was already scheduled this step; undo it.
+                    // Priority policy: the victim was already scheduled this step; undo it, and
+                    // take back the prefix-cache entries it registered for KV never computed.
                     *budget += self.scratch.scheduled[victim as usize] as usize;
+                    let cached_before = self.scratch.cached_before[victim as usize] as usize;
                     self.scratch.unschedule(victim);
                     scheduled_order.retain(|&s| s != victim);
                     index -= 1;
+                    let v = self.store.get_mut(victim)?;
+                    self.kv.uncache_blocks(&mut v.blocks, cached_before);
                 }
                 self.preempt(victim, out)?;
                 if victim == slot {
@@ -588,7 +612,10 @@ impl Scheduler {
         }
         out.total_num_scheduled_tokens = total;
         out.finished_req_ids.append(&mut self.finished_ids);
-        self.in_flight.push_back(InFlightStep { step_id, entries });
+        out.scheduler_uid = self.uid;
+        if !entries.is_empty() {
+            self.in_flight.push_back(InFlightStep { step_id, entries });
+        }
         self.stats.num_steps += 1;
         Ok(())
     }

@@ -70,6 +70,10 @@ pub struct LazyParts {
     pub new_block_counts: Vec<u32>,
     /// Computed tokens before the step, per entry.
     pub num_computed: Vec<i32>,
+    /// (slot, generation) of each entry: identifies the request without an id lookup.
+    pub slots: Vec<(u32, u32)>,
+    /// The scheduler that produced the step.
+    pub scheduler_uid: u64,
 }
 
 /// One step's schedule. Arrays are in batch order: entry `i` is `req_ids[i]` and row `i` of

@@ -224,6 +224,12 @@ impl PyScheduler {
             new_blocks,
             new_block_counts,
             num_computed: step.num_computed_tokens.clone(),
+            slots: step
+                .slots
+                .iter()
+                .map(|&s| (s, this.inner.requests().generation(s)))
+                .collect(),
+            scheduler_uid: step.scheduler_uid,
         };
         Ok(PySchedulerOutput::new(
             step.step_id,
@@ -268,6 +274,17 @@ impl PyScheduler {
             tokens.extend_from_slice(&t);
         }
         Ok((tokens, counts))
+    }
+
+    /// Rejects an output of another scheduler.
+    fn check_owner(&self, py: Python<'_>, output: &PySchedulerOutput) -> PyResult<()> {
+        if output.parts.scheduler_uid != self.inner.uid() {
+            return Err(invalid(
+                py,
+                "this SchedulerOutput was produced by another Scheduler",
+            ));
+        }
+        Ok(())
     }
 
     fn check_req_ids(
@@ -375,6 +392,7 @@ impl PyScheduler {
         runner_output: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyList>> {
         let out = output.get();
+        self.check_owner(py, out)?;
         Self::check_req_ids(py, out, &runner_output.getattr("req_ids")?)?;
         let (tokens, counts) = Self::sampled_from_runner(py, runner_output)?;
         let drafts = runner_output.getattr("draft_token_ids")?;
@@ -393,6 +411,16 @@ impl PyScheduler {
             }
             Some(v)
         };
+        if out.parts.slots.is_empty() {
+            // An empty step awaits no output.
+            if !tokens.is_empty() {
+                return Err(invalid(
+                    py,
+                    "sampled tokens were given for a step that scheduled nothing",
+                ));
+            }
+            return Ok(PyList::empty(py).unbind());
+        }
         let step_id = out.step_id;
         {
             let (inner, update) = (&mut self.inner, &mut self.update);
@@ -453,15 +481,10 @@ impl PyScheduler {
     ) -> PyResult<usize> {
         let tokens = token_ids(draft_tokens, "draft_tokens")?;
         let counts = token_ids(num_draft_tokens, "num_draft_tokens")?;
-        let out = output.get();
-        let ids = out.req_ids.bind(py);
-        let mut slots = Vec::with_capacity(ids.len());
-        for id in ids.iter() {
-            let id: String = id.extract()?;
-            slots.push(self.inner.slot_of(&id).unwrap_or(u32::MAX));
-        }
+        self.check_owner(py, output.get())?;
+        let slots = &output.get().parts.slots;
         self.inner
-            .update_draft_token_ids_for_slots(&slots, &tokens, &counts)
+            .update_draft_token_ids_for_slots(slots, &tokens, &counts)
             .py(py)
     }
 

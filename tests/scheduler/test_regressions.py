@@ -1,0 +1,57 @@
+"""Regression tests for scheduler bugs found in review (each fails on the old behaviour)."""
+
+from __future__ import annotations
+
+from dflash_rs import ModelRunnerOutput, Request, Scheduler, SchedulerConfig
+
+
+def _outputs_for(out):
+    return ModelRunnerOutput(out.req_ids, [[] if c else [1] for c in out.is_prefill_chunk])
+
+
+def test_undone_priority_victim_leaves_no_uncomputed_prefix_in_the_cache() -> None:
+    # "low" is prefilled in 32-token chunks. In its third step it is scheduled (registering
+    # the blocks of positions 64..95 in the prefix cache) and then preempted in the same step
+    # by "high". Its KV for 64..95 is never computed, so those blocks must not be hits later.
+    sched = Scheduler(
+        SchedulerConfig(
+            num_blocks=8,
+            block_size=16,
+            max_num_batched_tokens=200,
+            long_prefill_token_threshold=32,
+            policy="priority",
+        )
+    )
+    sched.add_request(Request("low", list(range(96)), 4, priority=1, arrival_time=0.0))
+    out = sched.schedule()
+    sched.update_from_output(out, _outputs_for(out))
+    sched.add_request(Request("high", [7] * 16, 4, priority=0, arrival_time=1.0))
+    out = sched.schedule()
+    sched.update_from_output(out, _outputs_for(out))
+    out = sched.schedule()
+    assert out.preempted_req_ids == {"low"}
+    sched.check_invariants()
+    sched.update_from_output(out, _outputs_for(out))
+    sched.finish_requests(["high"])
+    out = sched.schedule()
+    (resumed,) = out.scheduled_new_reqs
+    assert resumed.req_id == "low" and resumed.resumed
+    assert resumed.num_computed_tokens == 64, "only positions 0..63 were ever computed"
+
+
+def test_prompt_of_exactly_max_model_len_finishes_under_chunked_prefill() -> None:
+    sched = Scheduler(
+        SchedulerConfig(num_blocks=64, block_size=16, max_model_len=64, max_num_batched_tokens=24)
+    )
+    sched.add_request(Request("full", list(range(64)), 8))
+    finish = None
+    for _ in range(10):
+        out = sched.schedule()
+        sched.check_invariants()
+        for r in sched.update_from_output(out, _outputs_for(out)):
+            finish = r.finish_reason
+        if not sched.has_unfinished_requests():
+            break
+    assert finish == "length"
+    assert not sched.has_unfinished_requests()
+    assert sched.num_free_blocks == 63

@@ -1,0 +1,706 @@
+"""Bad input raises a typed error with a useful message and changes nothing.
+
+Most cases run against the same populated scheduler: two running DFlash requests with drafts, a
+third waiting behind max_num_seqs, and one scheduled step whose model output is still pending.
+Each case compares a snapshot (free blocks, request counts, queues, every request's status,
+computed tokens, tokens and blocks, stats) before and after the failing call, runs
+check_invariants(), and then applies the pending step's real output, which must still work.
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Type
+
+import numpy as np
+import pytest
+
+from dflash_rs import (
+    DFlashRsError,
+    DuplicateRequestError,
+    InvalidArgumentError,
+    ModelRunnerOutput,
+    PromptTooLongError,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerStateError,
+    SpeculativeConfig,
+    UnknownRequestError,
+)
+
+from .drivers import make_scheduler
+
+MML = 64
+
+
+def populated() -> Tuple[Scheduler, Any]:
+    sched = make_scheduler(
+        24,
+        method="dflash",
+        k=3,
+        block_size=4,
+        max_model_len=MML,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+    )
+    sched.add_request(Request("run", list(range(10)), 20, arrival_time=0.0))
+    sched.add_request(Request("run2", list(range(5, 12)), 20, arrival_time=1.0))
+    sched.add_request(Request("wait", list(range(30, 40)), 20, arrival_time=2.0))
+    out = sched.schedule()
+    sched.update_from_output(
+        out, ModelRunnerOutput(out.req_ids, [[1], [2]], draft_token_ids=[[3, 4], [5]])
+    )
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"run": 3, "run2": 2}
+    assert out.scheduled_spec_decode_tokens == {"run": [3, 4], "run2": [5]}
+    sched.check_invariants()
+    return sched, out
+
+
+def good_sampled(out: Any) -> List[List[int]]:
+    by_id = {"run": [3, 9], "run2": [5, 6]}
+    return [by_id[r] for r in out.req_ids]
+
+
+def good_output(out: Any) -> ModelRunnerOutput:
+    return ModelRunnerOutput(list(out.req_ids), good_sampled(out))
+
+
+def snapshot(sched: Scheduler) -> Dict[str, Any]:
+    running = sched.running_request_ids()
+    waiting = sched.waiting_request_ids()
+    return {
+        "free": sched.num_free_blocks,
+        "usage": sched.kv_cache_usage,
+        "counts": sched.get_request_counts(),
+        "unfinished": sched.get_num_unfinished_requests(),
+        "running": running,
+        "waiting": waiting,
+        "stats": dict(sched.stats()),
+        "requests": {
+            rid: (
+                sched.request_status(rid),
+                sched.num_computed_tokens(rid),
+                sched.all_token_ids(rid),
+                sched.block_ids(rid),
+            )
+            for rid in running + waiting
+        },
+    }
+
+
+def duck_request(**overrides: Any) -> SimpleNamespace:
+    """An object with Request's attributes but none of its Python-side validation, so the
+    checks in the Rust bindings are exercised."""
+    fields: Dict[str, Any] = {
+        "request_id": "duck",
+        "prompt_token_ids": [1, 2, 3],
+        "max_tokens": 4,
+        "eos_token_id": None,
+        "stop_token_ids": (),
+        "ignore_eos": False,
+        "min_tokens": 0,
+        "priority": 0,
+        "arrival_time": None,
+        "lora_name": None,
+        "cache_salt": None,
+    }
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def other_scheduler_output() -> Any:
+    """A step of another scheduler with the same step id and batch size as the pending one."""
+    other = make_scheduler(24, method="dflash", k=3, block_size=4, max_model_len=MML)
+    other.add_request(Request("x", [1] * 10, 20))
+    other.add_request(Request("y", [2] * 7, 20))
+    out = other.schedule()
+    other.update_from_output(out, ModelRunnerOutput(out.req_ids, [[1], [2]]))
+    return other.schedule()
+
+
+class Case(NamedTuple):
+    call: Callable[[Scheduler, Any], Any]
+    error: Type[BaseException]
+    fragment: str
+    prepare: Optional[Callable[[Scheduler, Any], Any]] = None
+
+
+def _apply(out: Any, sampled: Any, **kw: Any) -> Callable[[Scheduler, Any], Any]:
+    return lambda s, o: s.update_from_output(o, ModelRunnerOutput(o.req_ids, sampled, **kw))
+
+
+CASES: Dict[str, Case] = {
+    # ---- add_request
+    "duplicate id (running)": Case(
+        lambda s, o: s.add_request(Request("run", [1, 2], 4)),
+        DuplicateRequestError,
+        'request id "run" is already in use',
+    ),
+    "duplicate id (waiting)": Case(
+        lambda s, o: s.add_request(Request("wait", [1, 2], 4)),
+        DuplicateRequestError,
+        "already in use",
+    ),
+    "empty id (Request)": Case(
+        lambda s, o: s.add_request(Request("", [1, 2], 4)),
+        InvalidArgumentError,
+        "request_id must be a non-empty string",
+    ),
+    "empty id (duck)": Case(
+        lambda s, o: s.add_request(duck_request(request_id="")),
+        InvalidArgumentError,
+        "request_id must be a non-empty string",
+    ),
+    "id not a str (duck)": Case(
+        lambda s, o: s.add_request(duck_request(request_id=5)),
+        InvalidArgumentError,
+        "request_id must be a str",
+    ),
+    "empty prompt": Case(
+        lambda s, o: s.add_request(Request("e", [], 4)),
+        InvalidArgumentError,
+        "prompt_token_ids must not be empty",
+    ),
+    "empty prompt array": Case(
+        lambda s, o: s.add_request(Request("e", np.array([], dtype=np.int32), 4)),
+        InvalidArgumentError,
+        "must not be empty",
+    ),
+    "prompt longer than max_model_len": Case(
+        lambda s, o: s.add_request(Request("long", [1] * (MML + 1), 4)),
+        PromptTooLongError,
+        f"prompt of {MML + 1} tokens exceeds max_model_len {MML}",
+    ),
+    "max_tokens 0 (Request)": Case(
+        lambda s, o: s.add_request(Request("m", [1], 0)),
+        InvalidArgumentError,
+        "max_tokens must be >= 1",
+    ),
+    "max_tokens 0 (duck)": Case(
+        lambda s, o: s.add_request(duck_request(max_tokens=0)),
+        InvalidArgumentError,
+        "max_tokens must be >= 1",
+    ),
+    "max_tokens negative (duck)": Case(
+        lambda s, o: s.add_request(duck_request(max_tokens=-1)),
+        InvalidArgumentError,
+        "max_tokens must be >= 0",
+    ),
+    "min_tokens negative (duck)": Case(
+        lambda s, o: s.add_request(duck_request(min_tokens=-1)),
+        InvalidArgumentError,
+        "min_tokens must be >= 0",
+    ),
+    "token id 2**31": Case(
+        lambda s, o: s.add_request(Request("t", [1, 2**31], 4)),
+        InvalidArgumentError,
+        "prompt_token_ids[1] = 2147483648 is outside [0, 2**31 - 1]",
+    ),
+    "token id 2**40": Case(
+        lambda s, o: s.add_request(Request("t", [2**40], 4)),
+        InvalidArgumentError,
+        "is outside [0, 2**31 - 1]",
+    ),
+    "negative token id": Case(
+        lambda s, o: s.add_request(Request("t", [3, -1], 4)),
+        InvalidArgumentError,
+        "prompt_token_ids[1] = -1 is outside",
+    ),
+    "int64 array out of int32": Case(
+        lambda s, o: s.add_request(Request("t", np.array([2**31], dtype=np.int64), 4)),
+        InvalidArgumentError,
+        "prompt_token_ids[0] = 2147483648 is outside",
+    ),
+    "negative int32 array": Case(
+        lambda s, o: s.add_request(Request("t", np.array([1, -5], dtype=np.int32), 4)),
+        InvalidArgumentError,
+        "prompt_token_ids[1] = -5 is outside",
+    ),
+    "eos out of range (Request)": Case(
+        lambda s, o: s.add_request(Request("t", [1], 4, eos_token_id=2**31)),
+        InvalidArgumentError,
+        "eos_token_id = 2147483648 is outside",
+    ),
+    "eos negative (duck)": Case(
+        lambda s, o: s.add_request(duck_request(eos_token_id=-1)),
+        InvalidArgumentError,
+        "eos_token_id = -1 is outside",
+    ),
+    "stop token negative (Request)": Case(
+        lambda s, o: s.add_request(Request("t", [1], 4, stop_token_ids=[-2])),
+        InvalidArgumentError,
+        "is outside [0, 2**31 - 1]",
+    ),
+    "stop token out of range (duck)": Case(
+        lambda s, o: s.add_request(duck_request(stop_token_ids=[2**31])),
+        InvalidArgumentError,
+        "stop_token_ids[0] = 2147483648 is outside",
+    ),
+    "prompt is a str": Case(
+        lambda s, o: s.add_request(duck_request(prompt_token_ids="abc")),
+        InvalidArgumentError,
+        "must be a sequence of ints, not a string",
+    ),
+    "prompt of floats": Case(
+        lambda s, o: s.add_request(Request("t", [1.5, 2.0], 4)),
+        InvalidArgumentError,
+        "must be a sequence of ints or a 1-D integer array",
+    ),
+    "prompt None": Case(
+        lambda s, o: s.add_request(duck_request(prompt_token_ids=None)),
+        InvalidArgumentError,
+        "must be a sequence of ints",
+    ),
+    "float array prompt": Case(
+        lambda s, o: s.add_request(Request("t", np.zeros(3, dtype=np.float32), 4)),
+        InvalidArgumentError,
+        "must be a 1-D int32 or int64 array, got ndim=1 dtype=float32",
+    ),
+    "2-D array prompt": Case(
+        lambda s, o: s.add_request(Request("t", np.zeros((2, 2), dtype=np.int64), 4)),
+        InvalidArgumentError,
+        "got ndim=2",
+    ),
+    "not a request": Case(
+        lambda s, o: s.add_request(42),
+        InvalidArgumentError,
+        'request has no attribute "request_id"',
+    ),
+    "priority not an int (duck)": Case(
+        lambda s, o: s.add_request(duck_request(priority="high")),
+        TypeError,
+        "cannot be interpreted as an integer",
+    ),
+    "lora_name not a str (duck)": Case(
+        lambda s, o: s.add_request(duck_request(lora_name=5)),
+        TypeError,
+        "str",
+    ),
+    "arrival_time nan (duck)": Case(
+        lambda s, o: s.add_request(duck_request(arrival_time=float("nan"))),
+        InvalidArgumentError,
+        "arrival_time must be finite",
+    ),
+    # ---- update_from_output
+    "runner req_ids in the wrong order": Case(
+        lambda s, o: s.update_from_output(
+            o, ModelRunnerOutput(list(reversed(o.req_ids)), good_sampled(o))
+        ),
+        InvalidArgumentError,
+        "but the step scheduled",
+    ),
+    "runner req_ids too short": Case(
+        lambda s, o: s.update_from_output(o, ModelRunnerOutput(o.req_ids[:1], [[3]])),
+        InvalidArgumentError,
+        "ModelRunnerOutput has 1 req_ids but the step scheduled 2",
+    ),
+    "runner req_ids unknown": Case(
+        lambda s, o: s.update_from_output(o, ModelRunnerOutput(["run", "zzz"], [[3], [5]])),
+        InvalidArgumentError,
+        "ModelRunnerOutput.req_ids[",
+    ),
+    "fewer sampled lists than requests": Case(
+        lambda s, o: s.update_from_output(o, ModelRunnerOutput(o.req_ids, [[3]])),
+        InvalidArgumentError,
+        "the model output has 1 requests but step 1 scheduled 2",
+    ),
+    "flat counts do not sum to the tokens": Case(
+        lambda s, o: s.update_from_output(
+            o,
+            ModelRunnerOutput.from_arrays(
+                o.req_ids, np.array([3, 9, 5], dtype=np.int64), np.array([2, 2], dtype=np.int32)
+            ),
+        ),
+        InvalidArgumentError,
+        "sampled counts sum to 4 but 3 tokens were given",
+    ),
+    "more tokens than 1 + drafts": Case(
+        lambda s, o: s.update_from_output(
+            o,
+            ModelRunnerOutput(
+                o.req_ids, [[5, 6, 7] if r == "run2" else [3, 4, 1] for r in o.req_ids]
+            ),
+        ),
+        InvalidArgumentError,
+        "sampled 3 tokens but only 2 can be accepted (1 + 1 drafts)",
+    ),
+    "sampled token out of range": Case(
+        lambda s, o: s.update_from_output(
+            o, ModelRunnerOutput(o.req_ids, [[3, 2**31] if r == "run" else [5] for r in o.req_ids])
+        ),
+        InvalidArgumentError,
+        "is outside [0, 2**31 - 1]",
+    ),
+    "sampled token negative": Case(
+        lambda s, o: s.update_from_output(
+            o, ModelRunnerOutput(o.req_ids, [[-1] if r == "run2" else [3] for r in o.req_ids])
+        ),
+        InvalidArgumentError,
+        "= -1 is outside",
+    ),
+    "draft lists do not match the batch": Case(
+        lambda s, o: s.update_from_output(
+            o, ModelRunnerOutput(o.req_ids, good_sampled(o), draft_token_ids=[[1]])
+        ),
+        InvalidArgumentError,
+        "1 draft lists for 2 requests",
+    ),
+    "draft token negative": Case(
+        lambda s, o: s.update_from_output(
+            o, ModelRunnerOutput(o.req_ids, good_sampled(o), draft_token_ids=[[1], [-4]])
+        ),
+        InvalidArgumentError,
+        "draft_token_ids[1][0] = -4 is outside",
+    ),
+    "same output applied twice": Case(
+        lambda s, o: s.update_from_output(o, good_output(o)),
+        SchedulerStateError,
+        "step 1 was already applied",
+        prepare=lambda s, o: s.update_from_output(o, good_output(o)),
+    ),
+    # ---- drafts, finishing, lookups
+    "drafts not a dict": Case(
+        lambda s, o: s.update_draft_token_ids([("run", [1])]),
+        InvalidArgumentError,
+        "draft token ids must be a dict",
+    ),
+    "drafts keyed by int": Case(
+        lambda s, o: s.update_draft_token_ids({1: [1]}),
+        InvalidArgumentError,
+        "keyed by request id",
+    ),
+    "draft arrays: counts do not sum": Case(
+        lambda s, o: s.update_draft_token_ids_from_arrays(
+            o, np.array([1, 2, 3], dtype=np.int32), np.array([1, 1], dtype=np.int32)
+        ),
+        InvalidArgumentError,
+        "draft counts sum to 2 but 3 draft tokens were given",
+    ),
+    "draft arrays: one count per request": Case(
+        lambda s, o: s.update_draft_token_ids_from_arrays(
+            o, np.array([1], dtype=np.int32), np.array([1], dtype=np.int32)
+        ),
+        InvalidArgumentError,
+        "2 requests but 1 draft counts",
+    ),
+    "draft arrays: negative token": Case(
+        lambda s, o: s.update_draft_token_ids_from_arrays(
+            o, np.array([1, -2], dtype=np.int64), np.array([1, 1], dtype=np.int64)
+        ),
+        InvalidArgumentError,
+        "draft_tokens[1] = -2 is outside",
+    ),
+    "finish: unknown status": Case(
+        lambda s, o: s.finish_requests(["run"], status="bogus"),
+        InvalidArgumentError,
+        'unknown finish status "bogus"',
+    ),
+    "finish: ids not strings": Case(
+        lambda s, o: s.finish_requests(123),
+        InvalidArgumentError,
+        "request_ids must be a str or an iterable of str",
+    ),
+    "block_ids of an unknown id": Case(
+        lambda s, o: s.block_ids("nope"),
+        UnknownRequestError,
+        'unknown request id "nope"',
+    ),
+    "num_computed_tokens of an unknown id": Case(
+        lambda s, o: s.num_computed_tokens("nope"), KeyError, "unknown request id"
+    ),
+    "all_token_ids of an unknown id": Case(
+        lambda s, o: s.all_token_ids("nope"), KeyError, "unknown request id"
+    ),
+    "request_status of an unknown id": Case(
+        lambda s, o: s.request_status("nope"), UnknownRequestError, "unknown request id"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_changes_nothing(name: str) -> None:
+    case = CASES[name]
+    sched, out = populated()
+    pending = True
+    if case.prepare is not None:
+        case.prepare(sched, out)
+        pending = False
+    before = snapshot(sched)
+    with pytest.raises(case.error, match=re.escape(case.fragment)) as info:
+        case.call(sched, out)
+    if case.error is not TypeError:
+        assert isinstance(info.value, DFlashRsError)
+    assert snapshot(sched) == before
+    sched.check_invariants()
+    if pending:
+        # The failed call did not consume the step: its real output still applies.
+        results = sched.update_from_output(out, good_output(out))
+        assert {r.request_id: r.new_token_ids for r in results} == {
+            "run": [3, 9],
+            "run2": [5, 6],
+        }
+        assert sched.num_computed_tokens("run") == len(sched.all_token_ids("run")) - 1
+    sched.check_invariants()
+    nxt = sched.schedule()
+    assert set(nxt.req_ids) == {"run", "run2"}
+    sched.check_invariants()
+
+
+def test_error_classes_are_builtin_compatible() -> None:
+    assert issubclass(InvalidArgumentError, ValueError)
+    assert issubclass(DuplicateRequestError, ValueError)
+    assert issubclass(PromptTooLongError, ValueError)
+    assert issubclass(UnknownRequestError, KeyError)
+    assert issubclass(SchedulerStateError, RuntimeError)
+
+
+def test_update_before_any_schedule() -> None:
+    # The only output that exists before this scheduler's first schedule() is another's.
+    sched = make_scheduler(24)
+    sched.add_request(Request("a", [1, 2, 3], 4))
+    foreign = other_scheduler_output()
+    before = snapshot(sched)
+    with pytest.raises(InvalidArgumentError, match="another Scheduler"):
+        sched.update_from_output(foreign, ModelRunnerOutput(foreign.req_ids, [[1], [2]]))
+    assert snapshot(sched) == before
+    sched.check_invariants()
+
+
+def test_old_output_applied_again_while_a_later_step_is_pending() -> None:
+    sched, out = populated()
+    sched.update_from_output(out, good_output(out))
+    later = sched.schedule()
+    before = snapshot(sched)
+    with pytest.raises(SchedulerStateError, match="the output of step 1 was already applied"):
+        sched.update_from_output(out, good_output(out))
+    assert snapshot(sched) == before
+    sched.update_from_output(later, ModelRunnerOutput(later.req_ids, [[1]] * len(later.req_ids)))
+    sched.check_invariants()
+
+
+def test_outputs_must_be_applied_in_order() -> None:
+    sched = make_scheduler(24)
+    sched.add_request(Request("a", [1, 2, 3], 4))
+    out0 = sched.schedule()
+    sched.add_request(Request("b", [4, 5], 4))
+    out1 = sched.schedule()  # "a" is still in flight; "b" is admitted
+    assert out1.req_ids == ["b"]
+    before = snapshot(sched)
+    with pytest.raises(SchedulerStateError, match="outputs must be applied in order"):
+        sched.update_from_output(out1, ModelRunnerOutput(out1.req_ids, [[7]]))
+    assert snapshot(sched) == before
+    sched.update_from_output(out0, ModelRunnerOutput(out0.req_ids, [[6]]))
+    sched.update_from_output(out1, ModelRunnerOutput(out1.req_ids, [[7]]))
+    assert sched.all_token_ids("a") == [1, 2, 3, 6]
+    assert sched.all_token_ids("b") == [4, 5, 7]
+    sched.check_invariants()
+
+
+def test_output_of_another_scheduler_is_rejected() -> None:
+    """A SchedulerOutput belongs to the scheduler that produced it. Handing it (with its own,
+    matching ModelRunnerOutput) to another scheduler whose pending step has the same id and batch
+    size must fail, not append "x"'s and "y"'s tokens to "run" and "run2"."""
+    sched, out = populated()
+    foreign = other_scheduler_output()
+    assert foreign.step_id == out.step_id and len(foreign.req_ids) == len(out.req_ids)
+    before = snapshot(sched)
+    with pytest.raises((InvalidArgumentError, SchedulerStateError)):
+        sched.update_from_output(foreign, ModelRunnerOutput(foreign.req_ids, [[7], [8]]))
+    assert snapshot(sched) == before
+    sched.update_from_output(out, good_output(out))
+    sched.check_invariants()
+
+
+def test_failed_draft_updates_install_nothing() -> None:
+    """update_draft_token_ids parses everything before applying anything."""
+    sched, out = populated()
+    sched.update_from_output(out, good_output(out))
+    assert sched.update_draft_token_ids({"run": [7, 8]}) == 1
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        sched.update_draft_token_ids({"run": [1], "run2": [2, -1]})
+    with pytest.raises(InvalidArgumentError, match="draft counts sum"):
+        sched.update_draft_token_ids_from_arrays(
+            out, np.array([1, 2, 3], dtype=np.int32), np.array([1, 1], dtype=np.int32)
+        )
+    with pytest.raises(InvalidArgumentError, match="1 draft lists for 2 requests"):
+        sched.update_from_output(
+            out, ModelRunnerOutput(out.req_ids, good_sampled(out), draft_token_ids=[[1]])
+        )
+    nxt = sched.schedule()
+    assert nxt.scheduled_spec_decode_tokens == {"run": [7, 8]}
+    assert nxt.num_scheduled_tokens == {"run": 3, "run2": 1}
+
+
+def test_a_finished_id_can_be_reused() -> None:
+    sched, out = populated()
+    sched.update_from_output(out, good_output(out))
+    assert sched.finish_requests(["wait"]) == ["wait"]
+    sched.add_request(Request("wait", [9, 9], 4))
+    assert sched.waiting_request_ids() == ["wait"]
+    sched.check_invariants()
+
+
+def test_prompt_of_exactly_max_model_len_is_accepted() -> None:
+    sched = make_scheduler(24, block_size=4, max_model_len=MML)
+    sched.add_request(Request("full", [1] * MML, 4))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"full": MML}
+    (result,) = sched.update_from_output(out, ModelRunnerOutput(out.req_ids, [[2]]))
+    assert result.finish_reason == "length"
+
+
+def _config_fields(**overrides: Any) -> SimpleNamespace:
+    fields: Dict[str, Any] = {
+        "num_blocks": 20,
+        "block_size": 16,
+        "max_model_len": 64,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 64,
+        "enable_prefix_caching": True,
+        "enable_chunked_prefill": True,
+        "long_prefill_token_threshold": 0,
+        "policy": "fcfs",
+        "speculative": None,
+        "hash_algo": "sha256",
+        "hash_seed": None,
+        "lookahead_policy": "correct",
+    }
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+CONFIG_CASES: Dict[str, Tuple[Callable[[], Any], Type[BaseException], str]] = {
+    "num_blocks 1": (lambda: SchedulerConfig(1), InvalidArgumentError, "num_blocks must be >= 2"),
+    "num_blocks 0": (lambda: SchedulerConfig(0), InvalidArgumentError, "num_blocks must be >= 2"),
+    "num_blocks 1 (duck)": (
+        lambda: Scheduler(_config_fields(num_blocks=1)),
+        InvalidArgumentError,
+        "num_blocks must be at least 2",
+    ),
+    "num_blocks negative (duck)": (
+        lambda: Scheduler(_config_fields(num_blocks=-3)),
+        InvalidArgumentError,
+        "num_blocks must be >= 0",
+    ),
+    "num_blocks not an int": (
+        lambda: SchedulerConfig("10"),
+        InvalidArgumentError,
+        "num_blocks must be an int, got str",
+    ),
+    "block_size 0": (
+        lambda: SchedulerConfig(10, block_size=0),
+        InvalidArgumentError,
+        "block_size must be >= 1",
+    ),
+    "block_size 0 (duck)": (
+        lambda: Scheduler(_config_fields(block_size=0)),
+        InvalidArgumentError,
+        "block_size must be positive",
+    ),
+    "max_model_len 1": (
+        lambda: SchedulerConfig(10, max_model_len=1),
+        InvalidArgumentError,
+        "max_model_len must be >= 2",
+    ),
+    "max_num_seqs 0": (
+        lambda: SchedulerConfig(10, max_num_seqs=0),
+        InvalidArgumentError,
+        "max_num_seqs must be >= 1",
+    ),
+    "budget 0": (
+        lambda: SchedulerConfig(10, max_num_batched_tokens=0),
+        InvalidArgumentError,
+        "max_num_batched_tokens must be >= 1",
+    ),
+    "no chunking and budget < max_model_len": (
+        lambda: SchedulerConfig(
+            10, enable_chunked_prefill=False, max_num_batched_tokens=100, max_model_len=200
+        ),
+        InvalidArgumentError,
+        "without chunked prefill",
+    ),
+    "unknown method": (
+        lambda: SpeculativeConfig("medusa", 3),
+        InvalidArgumentError,
+        "unknown speculative method 'medusa'",
+    ),
+    "unknown method (duck)": (
+        lambda: Scheduler(
+            _config_fields(speculative=SimpleNamespace(method="medusa", num_speculative_tokens=3))
+        ),
+        InvalidArgumentError,
+        'unknown speculative method "medusa"',
+    ),
+    "K = 0": (
+        lambda: SpeculativeConfig("dflash", 0),
+        InvalidArgumentError,
+        "num_speculative_tokens must be >= 1",
+    ),
+    "K = 0 (duck)": (
+        lambda: Scheduler(
+            _config_fields(speculative=SimpleNamespace(method="dflash", num_speculative_tokens=0))
+        ),
+        InvalidArgumentError,
+        "num_speculative_tokens must be >= 1 for method dflash",
+    ),
+    "K = 65": (
+        lambda: SpeculativeConfig("eagle", 65),
+        InvalidArgumentError,
+        "num_speculative_tokens must be <= 64",
+    ),
+    "speculative of the wrong type": (
+        lambda: SchedulerConfig(10, speculative="dflash"),
+        InvalidArgumentError,
+        "speculative must be a SpeculativeConfig or None",
+    ),
+    "policy": (
+        lambda: SchedulerConfig(10, policy="lifo"),
+        InvalidArgumentError,
+        "policy must be 'fcfs' or 'priority', got 'lifo'",
+    ),
+    "policy (duck)": (
+        lambda: Scheduler(_config_fields(policy="lifo")),
+        InvalidArgumentError,
+        'unknown policy "lifo"',
+    ),
+    "lookahead_policy": (
+        lambda: SchedulerConfig(10, lookahead_policy="legacy"),
+        InvalidArgumentError,
+        "lookahead_policy must be one of",
+    ),
+    "lookahead_policy (duck)": (
+        lambda: Scheduler(_config_fields(lookahead_policy="legacy")),
+        InvalidArgumentError,
+        'unknown lookahead_policy "legacy"',
+    ),
+    "hash_algo": (
+        lambda: SchedulerConfig(10, hash_algo="md5"),
+        InvalidArgumentError,
+        "hash_algo must be one of",
+    ),
+    "hash_algo (duck)": (
+        lambda: Scheduler(_config_fields(hash_algo="md5")),
+        InvalidArgumentError,
+        'unknown hash_algo "md5"',
+    ),
+    "not a config": (
+        lambda: Scheduler(object()),
+        InvalidArgumentError,
+        'config has no attribute "num_blocks"',
+    ),
+    "ModelRunnerOutput without samples": (
+        lambda: ModelRunnerOutput(["a"]),
+        InvalidArgumentError,
+        "give either sampled_token_ids or sampled_tokens_flat",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG_CASES))
+def test_bad_config(name: str) -> None:
+    make, error, fragment = CONFIG_CASES[name]
+    with pytest.raises(error, match=re.escape(fragment)):
+        make()
