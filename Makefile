@@ -27,8 +27,12 @@ $(BUILD_STAMP): $(STAMP) $(RUST_SOURCES)
 .PHONY: develop
 develop: $(BUILD_STAMP) ## Build the Rust extension into .venv (editable install)
 
+.PHONY: sim
+sim: develop ## Run the main job: the serving simulation that proves KV integrity (dflash-rs simulate)
+	$(PY) -m dflash_rs simulate --plot out/simulate.png --json out/simulate.json
+
 .PHONY: demo
-demo: develop ## Run the main job: the demo (admit requests, allocate with lookahead, print tables)
+demo: develop ## Short demo: admit requests, allocate with DFlash lookahead, print block tables
 	$(PY) -m dflash_rs demo
 
 .PHONY: test

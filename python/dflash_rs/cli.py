@@ -1,4 +1,8 @@
-"""The ``dflash-rs`` command line (also ``python -m dflash_rs``)."""
+"""The ``dflash-rs`` command line (also ``python -m dflash_rs``).
+
+``dflash-rs simulate`` is the main job: a serving simulation on the real scheduler, DFlash
+kernel and a paged KV cache that proves KV integrity. ``dflash-rs demo`` shows block tables.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,21 @@ import sys
 from typing import Optional, Sequence
 
 from dflash_rs import demo
+from dflash_rs.sim import cli as simulate
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-rs", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    simulate_parser = sub.add_parser(
+        "simulate",
+        help="serving simulation that proves KV integrity on a real paged KV cache "
+        "(the default command)",
+        description=simulate.__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    simulate.add_arguments(simulate_parser)
+    simulate_parser.set_defaults(run=simulate.run)
     demo_parser = sub.add_parser(
         "demo", help="admit a few requests, allocate with DFlash lookahead, print block tables"
     )
@@ -21,7 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv or ["simulate"])
+    if args.command is None:  # options only, e.g. ``dflash-rs --seed 3``: not accepted
+        build_parser().error("a command is required (simulate or demo)")
     return int(args.run(args))
 
 

@@ -55,3 +55,35 @@ def test_prompt_of_exactly_max_model_len_finishes_under_chunked_prefill() -> Non
     assert finish == "length"
     assert not sched.has_unfinished_requests()
     assert sched.num_free_blocks == 63
+
+
+def test_request_that_outgrows_the_whole_pool_ends_instead_of_preempting_itself_forever() -> None:
+    # 4 usable blocks = 64 slots; the request needs more as it decodes. Alone in the pool and
+    # still short, it is ended with an error rather than preempting itself on every step.
+    sched = Scheduler(SchedulerConfig(num_blocks=5, block_size=16, max_model_len=128))
+    sched.add_request(Request("r", [7] * 60, max_tokens=20))
+    finished: set = set()
+    for _ in range(40):
+        out = sched.schedule()
+        finished |= out.finished_req_ids
+        sched.check_invariants()
+        sched.update_from_output(out, _outputs_for(out))
+        if not sched.has_unfinished_requests():
+            break
+    finished |= sched.schedule().finished_req_ids
+    assert not sched.has_unfinished_requests()
+    assert finished == {"r"}
+    assert sched.stats()["num_preemptions"] == 0
+    assert sched.num_free_blocks == 4
+
+
+def test_prompt_larger_than_the_pool_is_refused_at_admission() -> None:
+    import pytest
+
+    from dflash_rs import OutOfBlocksError
+
+    sched = Scheduler(SchedulerConfig(num_blocks=5, block_size=16, max_model_len=128))
+    with pytest.raises(OutOfBlocksError, match="needs 5 KV blocks but the pool has only 4"):
+        sched.add_request(Request("big", [7] * 65, max_tokens=1))
+    assert sched.get_num_unfinished_requests() == 0
+    sched.check_invariants()

@@ -1,1 +1,22 @@
-"""Triton kernels of dflash-rs (importable as ``dflash_rs.kernels``)."""
+"""Triton kernels of dflash-rs (importable as ``dflash_rs.kernels``).
+
+``expand_dflash_inputs`` builds the DFlash drafter's first-pass inputs (query lanes, positions and
+KV slots); ``expand_dflash_inputs_reference`` is the same function in pure torch. Triton is
+imported only when the kernel runs, so this package imports without it.
+"""
+
+from __future__ import annotations
+
+from dflash_rs.kernels.api import expand_dflash_inputs, triton_available
+from dflash_rs.kernels.reference import expand_dflash_inputs_reference
+from dflash_rs.kernels.result import PAD_POSITION, PAD_SLOT_ID, PAD_TOKEN_ID, DFlashInputs
+
+__all__ = [
+    "PAD_POSITION",
+    "PAD_SLOT_ID",
+    "PAD_TOKEN_ID",
+    "DFlashInputs",
+    "expand_dflash_inputs",
+    "expand_dflash_inputs_reference",
+    "triton_available",
+]

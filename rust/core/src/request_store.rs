@@ -78,6 +78,12 @@ impl RequestStore {
         Ok(request)
     }
 
+    /// Generation of a slot if it holds a live request.
+    pub fn slot_of_generation(&self, slot: u32) -> Option<u32> {
+        let s = self.slots.get(slot as usize)?;
+        s.request.as_ref().map(|_| s.generation)
+    }
+
     /// Generation of a slot (changes every time it is freed).
     pub fn generation(&self, slot: u32) -> u32 {
         self.slots

@@ -248,6 +248,14 @@ impl Scheduler {
                 self.config.max_model_len
             )));
         }
+        let prompt_blocks = spec.prompt_token_ids.len().div_ceil(self.config.block_size);
+        if prompt_blocks > self.kv.pool().num_usable_blocks() {
+            return Err(CoreError::OutOfBlocks(format!(
+                "request {:?}: its prompt needs {prompt_blocks} KV blocks but the pool has only {}",
+                spec.request_id,
+                self.kv.pool().num_usable_blocks()
+            )));
+        }
         if spec.max_tokens == 0 {
             return Err(invalid!(
                 "request {:?}: max_tokens must be >= 1",
@@ -398,6 +406,12 @@ impl Scheduler {
                     allocated = Some(first_new);
                     break;
                 }
+                if self.running.len() == 1 {
+                    // Alone and still short: the pool can never hold this request. End it
+                    // instead of letting it preempt itself forever.
+                    self.finish(slot, FinishReason::Error)?;
+                    break;
+                }
                 let victim_index = self.pick_victim()?;
                 let victim = self.running.remove(victim_index);
                 *preempted_any = true;
@@ -418,6 +432,10 @@ impl Scheduler {
                 }
             }
             let Some(first_new) = allocated else {
+                if self.store.slot_of_generation(slot).is_none() {
+                    // Ended above: the pool can never hold it; `running` is empty now.
+                    break;
+                }
                 if self.config.policy == Policy::Priority {
                     // The current request preempted itself; try the next one (vLLM 0.33).
                     continue;
