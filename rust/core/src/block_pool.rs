@@ -38,7 +38,7 @@ impl BlockPool {
             ref_cnt: vec![0; num_blocks],
             block_hash: vec![None; num_blocks],
             free: FreeQueue::new(num_blocks, 1..num_blocks as u32),
-            prefix: PrefixMap::default(),
+            prefix: PrefixMap::with_capacity(if enable_caching { num_blocks } else { 0 }),
             enable_caching,
         })
     }

@@ -23,6 +23,14 @@ pub struct PrefixMap {
 }
 
 impl PrefixMap {
+    /// An empty map with room for `capacity` keys (no rehash while the pool fills).
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self {
+            map: HashMap::with_capacity(capacity),
+            num_blocks: 0,
+        }
+    }
+
     /// Number of distinct hashes.
     pub fn num_keys(&self) -> usize {
         self.map.len()

@@ -650,6 +650,12 @@ impl Scheduler {
     ) -> CoreResult<()> {
         out.updates.clear();
         out.new_token_ids.clear();
+        if counts.is_empty()
+            && tokens.is_empty()
+            && self.in_flight.front().is_none_or(|s| s.step_id != step_id)
+        {
+            return Ok(()); // an empty step awaits no output
+        }
         let Some(step) = self.in_flight.front() else {
             return Err(CoreError::State(format!(
                 "no step is awaiting output (step {step_id} was already applied, or schedule() was not called)"

@@ -22,6 +22,8 @@ pub struct PyScheduler {
     inner: Scheduler,
     /// Interned request id per slot.
     ids: Vec<Option<Py<PyString>>>,
+    /// Number of `Some` entries in `ids`.
+    num_interned: usize,
     step: StepOutput,
     update: UpdateOutput,
     config: Py<PyAny>,
@@ -133,7 +135,12 @@ impl PyScheduler {
         if self.ids.len() <= s {
             self.ids.resize_with(s + 1, || None);
         }
-        self.ids[s] = Some(PyString::new(py, id).unbind());
+        if self.ids[s]
+            .replace(PyString::new(py, id).unbind())
+            .is_none()
+        {
+            self.num_interned += 1;
+        }
     }
 
     fn id_of(&self, py: Python<'_>, slot: u32) -> PyResult<Py<PyString>> {
@@ -149,8 +156,12 @@ impl PyScheduler {
             })
     }
 
-    /// Drops interned ids of slots whose requests are gone.
+    /// Drops interned ids of slots whose requests are gone (a scan only when some are).
     fn forget_finished(&mut self) {
+        if self.num_interned == self.inner.num_unfinished() {
+            return;
+        }
+        self.num_interned = self.inner.num_unfinished();
         for (slot, id) in self.ids.iter_mut().enumerate() {
             if id.is_some() && self.inner.requests().get(slot as u32).is_err() {
                 *id = None;
@@ -349,6 +360,7 @@ impl PyScheduler {
         Ok(Self {
             inner,
             ids: Vec::new(),
+            num_interned: 0,
             step: StepOutput::default(),
             update: UpdateOutput::default(),
             config: config.clone().unbind(),

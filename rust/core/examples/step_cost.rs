@@ -1,0 +1,103 @@
+//! Per-step cost of the core scheduler without Python: N running DFlash requests decoding,
+//! uniform 0..K acceptance. `cargo run --release -p dflash-core --example step_cost -- 1024 8`
+
+use std::time::Instant;
+
+use dflash_core::lookahead::SpecMethod;
+use dflash_core::{RequestSpec, Scheduler, SchedulerConfig, StepOutput, UpdateOutput};
+
+fn main() {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let n = args.first().copied().unwrap_or(1024);
+    let k = args.get(1).copied().unwrap_or(8);
+    let mut config = SchedulerConfig::new(n * 520 + 10, 16, 8192, n, 16384);
+    config.spec_method = SpecMethod::DFlash;
+    config.num_speculative_tokens = k;
+    let mut sched = Scheduler::new(config).expect("config");
+    let mut seed = 0x9e3779b97f4a7c15u64;
+    let mut rand = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for i in 0..n {
+        let len = 128 + (rand() % 896) as usize;
+        let prompt = (0..len).map(|_| (rand() % 32000) as u32 + 3).collect();
+        let spec = RequestSpec {
+            request_id: format!("r{i}"),
+            prompt_token_ids: prompt,
+            max_tokens: 4096,
+            ..Default::default()
+        };
+        sched.add_request(spec).expect("add");
+    }
+    let (mut out, mut upd) = (StepOutput::default(), UpdateOutput::default());
+    let (mut tokens, mut counts, mut drafts, mut draft_counts) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut times = Vec::new();
+    let num_steps: usize = std::env::var("STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(400);
+    for step in 0..num_steps {
+        let t0 = Instant::now();
+        sched.schedule(&mut out).expect("schedule");
+        let t1 = Instant::now();
+        tokens.clear();
+        counts.clear();
+        for i in 0..out.num_reqs() {
+            if out.is_prefill_chunk[i] {
+                counts.push(0);
+                continue;
+            }
+            let accepted = (rand() % (out.num_spec_tokens[i] as u64 + 1)) as u32;
+            counts.push(accepted + 1);
+            tokens.extend((0..=accepted).map(|_| (rand() % 32000) as u32 + 3));
+        }
+        let t2 = Instant::now();
+        sched
+            .update_from_output(out.step_id, &tokens, &counts, &mut upd)
+            .expect("update");
+        let t3 = Instant::now();
+        let slots: Vec<(u32, u32)> = out
+            .slots
+            .iter()
+            .map(|&s| (s, sched.requests().generation(s)))
+            .collect();
+        draft_counts.clear();
+        drafts.clear();
+        for i in 0..out.num_reqs() {
+            let c = if out.is_prefill_chunk[i] { 0 } else { k as u32 };
+            draft_counts.push(c);
+            drafts.extend((0..c).map(|_| 7u32));
+        }
+        let t4 = Instant::now();
+        sched
+            .update_draft_token_ids_for_slots(&slots, &drafts, &draft_counts)
+            .expect("drafts");
+        let t5 = Instant::now();
+        if step >= 200 && out.num_reqs() == n && !out.is_prefill_chunk.iter().any(|&c| c) {
+            times.push((
+                (t1 - t0).as_nanos(),
+                (t3 - t2).as_nanos(),
+                (t5 - t4).as_nanos(),
+            ));
+        }
+    }
+    let median = |f: fn(&(u128, u128, u128)) -> u128| {
+        let mut v: Vec<u128> = times.iter().map(f).collect();
+        v.sort_unstable();
+        v[v.len() / 2] as f64 / 1e3
+    };
+    println!(
+        "N={n} K={k}: {} decode steps; p50 schedule {:.1} us, update_from_output {:.1} us, drafts {:.1} us",
+        times.len(),
+        median(|t| t.0),
+        median(|t| t.1),
+        median(|t| t.2)
+    );
+}
