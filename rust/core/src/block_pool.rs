@@ -138,15 +138,20 @@ impl BlockPool {
                 continue;
             }
             let rc = &mut self.ref_cnt[b as usize];
-            debug_assert!(*rc > 0, "double free of block {b}");
-            *rc = rc.saturating_sub(1);
+            if *rc == 0 {
+                // A double free (a bug in the caller): ignoring it keeps the free queue sound.
+                debug_assert!(false, "double free of block {b}");
+                continue;
+            }
+            *rc -= 1;
             if *rc == 0 {
                 self.free.push_back(b);
             }
         }
     }
 
-    /// Registers `blocks[i]` under `hashes[i]` for every pair (blocks must hold no hash yet).
+    /// Registers `blocks[i]` under `hashes[i]` for every pair. A block already registered
+    /// (under the same hash: it holds the same tokens) is left as it is.
     pub fn cache_full_blocks(&mut self, blocks: &[u32], hashes: &[BlockHash]) {
         if !self.enable_caching {
             return;
@@ -156,10 +161,10 @@ impl BlockPool {
             if b == NULL_BLOCK {
                 continue;
             }
-            debug_assert!(
-                self.block_hash[b as usize].is_none(),
-                "block {b} is already hashed"
-            );
+            if let Some(existing) = &self.block_hash[b as usize] {
+                debug_assert_eq!(existing, h, "block {b} is re-cached under another hash");
+                continue;
+            }
             self.block_hash[b as usize] = Some(*h);
             self.prefix.insert(*h, b);
         }

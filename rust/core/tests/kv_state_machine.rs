@@ -4,7 +4,19 @@
 //! tokens, preempt, finish, reset the prefix cache) run on the real [`KvCacheManager`] and on a
 //! small model of vLLM V1's rules for one full-attention group, written from the spec (§1, §2) and
 //! not from the Rust code. After every operation the two must agree block for block, and the
-//! spec's invariants 1-16 (§7) that apply to one group are checked directly.
+//! spec's invariants 1-16 (§7) that apply to one group are checked directly:
+//!
+//! | invariant | checked in |
+//! |---|---|
+//! | 1 null block, free + used == usable; 2 free queue <=> ref 0; 5 hash <=> registered | `check_all` |
+//! | 3 touch / tail-first free order; 16 every block released once, unknown free is a no-op | model + `Harness::free` |
+//! | 4 new blocks = free-queue head, ref 1, no hash; 12 block count; 14 append-only; 15 cached count | `check_allocation` |
+//! | 6 duplicates keep their entries; 13 free hits cost capacity | model (first-inserted lookups, `blocks_to_allocate`) |
+//! | 7 only full blocks of known tokens hashed | `check_request_hashes` |
+//! | 8 hash chain | `block_hash_chain_depends_on_every_earlier_token` |
+//! | 9 reset refused while held | `Harness::reset_prefix_cache` |
+//! | 10 hit cap and alignment (no EAGLE drop: DFlash @0.33 keeps the last block) | `Harness::schedule` |
+//! | 11 None <=> capacity check fails, and then nothing changed | model outcome + `Snapshot` |
 //!
 //! The model is content addressed: it keys a cached block by (LoRA, salt, every token up to the end
 //! of the block), never by a hash, so it also catches a hasher that merges different prefixes or
@@ -26,8 +38,13 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{FileFailurePersistence, TestCaseError, TestRunner};
 
-/// Cases of the state-machine test: about 10 s in release on one shared core.
-const STATE_MACHINE_CASES: u32 = 3000;
+/// Cases of the state-machine test: about 5-15 s in release on one (shared) core. Debug builds
+/// (which also turn on the core's debug assertions) run fewer, in about the same time.
+const STATE_MACHINE_CASES: u32 = if cfg!(debug_assertions) {
+    2_000
+} else {
+    40_000
+};
 const REGRESSIONS: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/proptest-regressions/kv_state_machine.txt"
@@ -90,6 +107,11 @@ enum Op {
     },
     /// Free the request's blocks and drop it.
     Finish {
+        req: Index,
+    },
+    /// The scheduler undoing a priority victim's step: withdraw the cache entries that step
+    /// registered (`uncache_blocks`), then preempt.
+    UndoAndPreempt {
         req: Index,
     },
     ResetPrefixCache,
@@ -197,6 +219,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         3 => append,
         1 => any::<Index>().prop_map(|req| Op::Preempt { req }),
         3 => any::<Index>().prop_map(|req| Op::Finish { req }),
+        1 => any::<Index>().prop_map(|req| Op::UndoAndPreempt { req }),
         1 => Just(Op::ResetPrefixCache),
         1 => (any::<Index>(), prop::sample::select(vec![
             Misuse::NoNewTokens,
@@ -284,6 +307,8 @@ struct ModelRequest {
 struct Request {
     content: Content,
     num_computed_tokens: usize,
+    /// `num_cached_blocks` before the last successful allocation (what undoing it restores).
+    cached_before_last_step: usize,
     real: RequestBlocks,
     model: ModelRequest,
 }
@@ -635,6 +660,7 @@ struct Coverage {
     resets: Cell<u64>,
     refused_resets: Cell<u64>,
     refused_misuse: Cell<u64>,
+    withdrawn_entries: Cell<u64>,
 }
 
 fn bump(counter: &Cell<u64>) {
@@ -702,6 +728,7 @@ impl<'a> Harness<'a> {
                 self.live.push(Request {
                     content,
                     num_computed_tokens: 0,
+                    cached_before_last_step: 0,
                     real: RequestBlocks::default(),
                     model: ModelRequest::default(),
                 });
@@ -736,6 +763,13 @@ impl<'a> Harness<'a> {
                     let i = req.index(self.live.len());
                     self.free(i)?;
                     self.live.remove(i);
+                }
+            }
+            Op::UndoAndPreempt { req } => {
+                if !self.live.is_empty() {
+                    let i = req.index(self.live.len());
+                    self.undo_last_step(i)?;
+                    self.free(i)?;
                 }
             }
             Op::ResetPrefixCache => self.reset_prefix_cache()?,
@@ -855,6 +889,7 @@ impl<'a> Harness<'a> {
                     first_new,
                 )?;
                 let r = &mut self.live[i];
+                r.cached_before_last_step = before.requests[i].num_cached_blocks;
                 r.num_computed_tokens = (start + num_new_tokens).min(num_tokens);
             }
             (expected, got) => {
@@ -1029,6 +1064,24 @@ impl<'a> Harness<'a> {
         Ok(())
     }
 
+    /// `uncache_blocks(from)`: entries of blocks `from..num_cached` go unless another request
+    /// holds the block. Checked once the request is freed (as the scheduler always does next).
+    fn undo_last_step(&mut self, i: usize) -> Result<(), TestCaseError> {
+        let r = &mut self.live[i];
+        let from = r.cached_before_last_step;
+        let end = r.model.num_cached.min(r.model.blocks.len());
+        for &b in r.model.blocks.get(from..end).unwrap_or(&[]) {
+            if self.model.ref_cnt[b as usize] == 1 && self.model.registered[b as usize].is_some() {
+                self.model.unregister(b);
+                bump(&self.coverage.withdrawn_entries);
+            }
+        }
+        r.model.num_cached = r.model.num_cached.min(from);
+        self.mgr.uncache_blocks(&mut r.real, from);
+        prop_assert_eq!(r.real.num_cached_blocks, r.model.num_cached);
+        Ok(())
+    }
+
     /// Invariant 9: refused (and no change) while any block is held; else forgets every hash.
     fn reset_prefix_cache(&mut self) -> Result<(), TestCaseError> {
         let before = Snapshot::take(&self.mgr, &self.live);
@@ -1107,6 +1160,7 @@ fn kv_manager_matches_reference_model() {
             ("prefix-cache resets", &coverage.resets),
             ("refused prefix-cache resets", &coverage.refused_resets),
             ("refused invalid calls", &coverage.refused_misuse),
+            ("withdrawn cache entries", &coverage.withdrawn_entries),
         ] {
             assert!(counter.get() > 0, "no case exercised {name}");
         }

@@ -19,24 +19,38 @@ fn check_token(py: Python<'_>, what: &str, i: usize, t: i64) -> PyResult<u32> {
     }
 }
 
+/// Converts checked token values; the fast path is one vectorisable pass over a slice.
+fn tokens_from_slice<T: Copy + Into<i64>>(
+    py: Python<'_>,
+    what: &str,
+    values: &[T],
+) -> PyResult<Vec<u32>> {
+    let in_range = |t: &T| (0..=MAX_TOKEN_ID).contains(&(*t).into());
+    if values.iter().all(in_range) {
+        return Ok(values.iter().map(|&t| t.into() as u32).collect());
+    }
+    let (i, &bad) = values
+        .iter()
+        .enumerate()
+        .find(|(_, t)| !in_range(t))
+        .expect("a value is out of range");
+    Err(check_token(py, what, i, bad.into()).unwrap_err())
+}
+
 /// Extracts token ids from a list/tuple of ints or a 1-D int32/int64 numpy array.
 pub fn token_ids(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
     let py = obj.py();
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
-        let view = arr.as_array();
-        return view
-            .iter()
-            .enumerate()
-            .map(|(i, &t)| check_token(py, what, i, t as i64))
-            .collect();
+        return match arr.as_slice() {
+            Ok(slice) => tokens_from_slice(py, what, slice),
+            Err(_) => tokens_from_slice(py, what, &arr.as_array().to_vec()),
+        };
     }
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
-        let view = arr.as_array();
-        return view
-            .iter()
-            .enumerate()
-            .map(|(i, &t)| check_token(py, what, i, t))
-            .collect();
+        return match arr.as_slice() {
+            Ok(slice) => tokens_from_slice(py, what, slice),
+            Err(_) => tokens_from_slice(py, what, &arr.as_array().to_vec()),
+        };
     }
     if let Ok(arr) = obj.cast::<numpy::PyUntypedArray>() {
         return Err(invalid(
