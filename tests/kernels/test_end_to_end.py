@@ -240,7 +240,9 @@ def drive(
     log = RunLog()
     table = None
     if device_table:
-        table = DeviceBlockTable.from_config(cfg, "cpu", mirror=True, max_ranges=2)
+        # A real GPU mirror where the compiled kernel runs; a CPU stand-in elsewhere.
+        mirror_device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+        table = DeviceBlockTable.from_config(cfg, mirror_device, mirror=True, max_ranges=2)
     pending = dict(arrivals)
     for step in range(max_steps):
         for request in pending.pop(step, []):

@@ -20,6 +20,8 @@ instead of silently clamped.
 
 from __future__ import annotations
 
+import os
+
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -207,6 +209,11 @@ def kernel_inputs_from_output(
     )
 
 
+def _compiled_triton() -> bool:
+    """Whether Triton kernels run compiled on a GPU here (not under the interpreter)."""
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def expand_from_output(
     output: Any,
     config: Any = None,
@@ -240,6 +247,8 @@ def expand_from_output(
         raise InvalidArgumentError(
             "expand_from_output needs block_size and num_speculative_tokens (or a config)"
         )
+    if device is None and block_table is None and backend == "triton" and _compiled_triton():
+        device = "cuda"  # the compiled kernel needs device tensors
     inputs = kernel_inputs_from_output(
         output,
         next_token_ids=next_token_ids,
