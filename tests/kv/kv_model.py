@@ -156,6 +156,18 @@ class KVModel:
         r = self._req(request_id)
         if not self.enable_prefix_caching:
             return [], 0
+        hits = self.longest_cache_hit(request_id)
+        num_hit = len(hits) * self.block_size
+        self.stats[0] += 1
+        self.stats[1] += len(r.tokens)
+        self.stats[2] += num_hit
+        return hits, num_hit
+
+    def longest_cache_hit(self, request_id: str) -> List[int]:
+        """The hit blocks ``get_computed_blocks`` would report, without recording a lookup."""
+        r = self._req(request_id)
+        if not self.enable_prefix_caching:
+            return []
         # Cap at num_tokens - 1: the last token is always recomputed (logits are needed).
         max_hit_blocks = (len(r.tokens) - 1) // self.block_size
         hits: List[int] = []
@@ -164,11 +176,7 @@ class KVModel:
             if not blocks:
                 break
             hits.append(blocks[0])
-        num_hit = len(hits) * self.block_size
-        self.stats[0] += 1
-        self.stats[1] += len(r.tokens)
-        self.stats[2] += num_hit
-        return hits, num_hit
+        return hits
 
     def allocate_slots(
         self,
@@ -248,13 +256,27 @@ class KVModel:
         return new_blocks
 
     def free(self, request_id: str) -> None:
+        """Release every block of the request, tail first (a chain's tail is evicted before its
+        parents).  Blocks whose count reaches 0 go back to the free queue in two groups, each in
+        that tail-first order (vLLM 0.33 ``BlockPool.free_blocks``):
+
+        * blocks registered in the prefix cache are appended at the tail -- they stay cached as
+          long as possible (LRU by free time);
+        * blocks without a hash (partial blocks, everything when caching is off) can never be
+          hit, so they are prepended at the head and reused first.
+
+        (vLLM 0.23 appended both groups; 0.33's reference tests expect e.g. the free order
+        ``[5, 4, 6, 7, 8, 9, 10, 3, 2, 1]`` in test_prefill.)
+        """
         r = self._req(request_id)
-        # Tail first, so a chain's tail is evicted before its parents.
+        reuse_first: List[int] = []
+        evict_last: List[int] = []
         for b in reversed(r.blocks):
             self.ref[b] -= 1
             assert self.ref[b] >= 0
             if self.ref[b] == 0:
-                self.free_queue.append(b)
+                (evict_last if b in self.block_key else reuse_first).append(b)
+        self.free_queue = reuse_first + self.free_queue + evict_last
         del self.requests[request_id]
 
     def reset_prefix_cache(self) -> bool:

@@ -34,9 +34,9 @@ def populated(enable_prefix_caching: bool = True) -> KVCacheManager:
 
     held  : 9 tokens, holds blocks [1, 2, 3] (blocks 1, 2 cached)
     gone  : allocated [4, 5] and freed: blocks 4, 5 are free but still cached
-    fresh : 10 tokens sharing held's first 8; no blocks; hits [1, 2] available
+    fresh : 13 tokens sharing held's first 8; no blocks; hits [1, 2] available
     exact8: 8 tokens = held's 2 cached blocks; no blocks
-    other : 4 unrelated tokens; no blocks
+    other : 6 unrelated tokens; no blocks
     """
     m = KVCacheManager(11, BS, MML, enable_prefix_caching=enable_prefix_caching)
     m.add_request("held", list(range(9)))
@@ -44,9 +44,9 @@ def populated(enable_prefix_caching: bool = True) -> KVCacheManager:
     m.add_request("gone", list(range(20, 28)))
     assert m.allocate_slots("gone", 8, num_computed_tokens=0) == [4, 5]
     m.free("gone")
-    m.add_request("fresh", [*range(8), 100, 101])
+    m.add_request("fresh", [*range(8), 100, 101, 102, 103, 104])
     m.add_request("exact8", list(range(8)))
-    m.add_request("other", [50, 51, 52, 53])
+    m.add_request("other", [50, 51, 52, 53, 54, 55])
     m.check_invariants()
     return m
 
@@ -120,15 +120,29 @@ CASES = {
         InvalidArgumentError,
         "int32 or int64",
     ),
+    "tokens-numpy-int16": Case(
+        lambda m: m.add_request("x", np.array([1], dtype=np.int16)),
+        InvalidArgumentError,
+        "int32 or int64",
+    ),
+    # A big-endian array must be rejected, not reinterpreted (256 would silently read as 65536).
+    "tokens-numpy-big-endian": Case(
+        lambda m: m.add_request("x", np.array([256, 1], dtype=">i4")),
+        InvalidArgumentError,
+        "int32 or int64",
+    ),
+    "append-numpy-big-endian": Case(
+        lambda m: m.append_token_ids("held", np.array([1], dtype=">i8")),
+        InvalidArgumentError,
+        "int32 or int64",
+    ),
     "tokens-numpy-2d": Case(
         lambda m: m.add_request("x", np.array([[1, 2]], dtype=np.int64)),
         InvalidArgumentError,
         "1-D",
     ),
     "token-negative": Case(lambda m: m.add_request("x", [1, -1]), InvalidArgumentError, "-1"),
-    "token-2**31": Case(
-        lambda m: m.add_request("x", [2**31]), InvalidArgumentError, "2147483648"
-    ),
+    "token-2**31": Case(lambda m: m.add_request("x", [2**31]), InvalidArgumentError, "2147483648"),
     "token-huge": Case(lambda m: m.add_request("x", [2**70]), InvalidArgumentError, "token_ids"),
     "token-numpy-negative": Case(
         lambda m: m.add_request("x", np.array([3, -5], dtype=np.int32)),
@@ -152,9 +166,7 @@ CASES = {
     "append-negative-after-good": Case(
         lambda m: m.append_token_ids("held", [1, 2, -1]), InvalidArgumentError, "-1"
     ),
-    "append-str": Case(
-        lambda m: m.append_token_ids("held", "abc"), InvalidArgumentError, "string"
-    ),
+    "append-str": Case(lambda m: m.append_token_ids("held", "abc"), InvalidArgumentError, "string"),
     "append-float": Case(
         lambda m: m.append_token_ids("held", [1.5]), InvalidArgumentError, "token_ids"
     ),
@@ -215,11 +227,9 @@ CASES = {
         hits("held", [1], num_computed_tokens=0), InvalidArgumentError, "holds no blocks"
     ),
     "hits-with-computed-tokens": Case(
-        hits("fresh", [1], num_computed_tokens=4), InvalidArgumentError, "new_computed_blocks"
+        hits("fresh", [1], num_computed_tokens=4), InvalidArgumentError, "no computed tokens"
     ),
-    "hits-cover-whole-sequence": Case(
-        hits("exact8", [1, 2]), InvalidArgumentError, "not below"
-    ),
+    "hits-cover-whole-sequence": Case(hits("exact8", [1, 2]), InvalidArgumentError, "not below"),
     "hits-with-caching-disabled": Case(
         hits("fresh", [1]), InvalidArgumentError, "new_computed_blocks[0]", caching=False
     ),
@@ -233,9 +243,9 @@ CASES = {
     "hits-none": Case(
         lambda m: m.allocate_slots("fresh", 1, num_computed_tokens=0, new_computed_blocks=None),
         TypeError,
-        "",
+        "Sequence",
     ),
-    "hits-float-ids": Case(hits("fresh", [1.0]), TypeError, ""),
+    "hits-float-ids": Case(hits("fresh", [1.0]), TypeError, "integer"),
     # ---- debug helpers
     "ref-count-out-of-range": Case(lambda m: m.ref_count(11), InvalidArgumentError, "range"),
     "ref-count-negative": Case(lambda m: m.ref_count(-1), InvalidArgumentError, "range"),
@@ -258,7 +268,7 @@ def test_bad_input_raises_and_changes_nothing(case: Case) -> None:
     assert (hit_blocks, num_hit) == (([1, 2], 8) if case.caching else ([], 0))
     new = m.allocate_slots(
         "fresh",
-        10 - num_hit,
+        m.num_tokens("fresh") - num_hit,
         num_computed_tokens=0,
         num_new_computed_tokens=num_hit,
         new_computed_blocks=hit_blocks,
@@ -273,6 +283,7 @@ def test_bad_input_raises_and_changes_nothing(case: Case) -> None:
         pytest.param((1, 4, 64), {}, InvalidArgumentError, "num_blocks", id="num-blocks-1"),
         pytest.param((0, 4, 64), {}, InvalidArgumentError, "num_blocks", id="num-blocks-0"),
         pytest.param((-1, 4, 64), {}, InvalidArgumentError, "num_blocks", id="num-blocks-neg"),
+        pytest.param((2**32, 4, 64), {}, InvalidArgumentError, "too large", id="num-blocks-2**32"),
         pytest.param((11, 0, 64), {}, InvalidArgumentError, "block_size", id="block-size-0"),
         pytest.param((11, -4, 64), {}, InvalidArgumentError, "block_size", id="block-size-neg"),
         pytest.param((11, 4, 0), {}, InvalidArgumentError, "max_model_len", id="mml-0"),
@@ -285,8 +296,8 @@ def test_bad_input_raises_and_changes_nothing(case: Case) -> None:
         pytest.param(
             (11, 4, 64), {"hash_algo": ""}, InvalidArgumentError, "hash_algo", id="algo-empty"
         ),
-        pytest.param((11.0, 4, 64), {}, TypeError, "", id="num-blocks-float"),
-        pytest.param((11, "4", 64), {}, TypeError, "", id="block-size-str"),
+        pytest.param((11.0, 4, 64), {}, TypeError, "integer", id="num-blocks-float"),
+        pytest.param((11, "4", 64), {}, TypeError, "integer", id="block-size-str"),
     ],
 )
 def test_bad_constructor_arguments(

@@ -8,6 +8,12 @@ Adaptation to our API: vLLM's ``request.num_computed_tokens`` is our ``num_compu
 ``get_computed_blocks`` returns ``(hit block ids, hit tokens)``; ``allocate_slots`` returns the
 newly allocated block ids (or None).  ``make_kv_cache_config(16, 11)`` is
 ``KVCacheManager(11, 16, ...)``: block 0 is the null block, so 10 blocks are usable.
+
+Free order is vLLM 0.33's (``BlockPool.free_blocks``): a request's blocks are released tail
+first; those registered in the prefix cache are appended to the free queue (evicted last, LRU),
+those without a hash (partial blocks; every block when caching is off) are prepended (reused
+first).  The reference doc's 5.2 numbers are vLLM 0.23's, which appended both; every free-order
+number below was re-checked against vLLM 0.33.0 itself (``pip install vllm==0.33.0``).
 """
 
 from __future__ import annotations
@@ -96,9 +102,10 @@ def test_prefill(hash_algo: str) -> None:
     m.free("0")
     m.free("1")
     assert m.num_free_blocks == 10
-    # Never-used blocks first, then each freed request tail first (req0's 4, then req1's 5;
-    # the shared 3, 2, 1 reach ref 0 only when req1 is freed).
-    assert m.free_block_ids() == [6, 7, 8, 9, 10, 4, 5, 3, 2, 1]
+    # [partial blocks without a hash, prepended for immediate reuse: req1's 5, req0's 4]
+    # [never used: 6..10] [cached, tail first, evicted last: 3, 2, 1 (ref 0 once req1 is freed)]
+    # (vLLM 0.23, which appended every block, gave [6, 7, 8, 9, 10, 4, 5, 3, 2, 1].)
+    assert m.free_block_ids() == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
     m.check_invariants()
 
     # Cache hit in the common prefix when the original blocks are already free.
@@ -108,17 +115,17 @@ def test_prefill(hash_algo: str) -> None:
     new = m.allocate_slots(
         "2", 54 - 48, num_computed_tokens=0, num_new_computed_tokens=48, new_computed_blocks=hits
     )
-    assert new == [6]
+    assert new == [5]  # reuses the partial block 5
     assert m.num_free_blocks == 6
     assert all(m.ref_count(b) == 0 for b in m.free_block_ids())
-    assert m.free_block_ids() == [7, 8, 9, 10, 4, 5]
+    assert m.free_block_ids() == [4, 6, 7, 8, 9, 10]
     m.free("2")
-    assert m.free_block_ids() == [7, 8, 9, 10, 4, 5, 6, 3, 2, 1]
+    assert m.free_block_ids() == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
 
     # Cache miss and eviction: the allocation order is the eviction order.
     m.add_request("3", [99] * (16 * 10))
     assert m.get_computed_blocks("3") == ([], 0)
-    assert m.allocate_slots("3", 160, num_computed_tokens=0) == [7, 8, 9, 10, 4, 5, 6, 3, 2, 1]
+    assert m.allocate_slots("3", 160, num_computed_tokens=0) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
     assert m.num_free_blocks == 0 and m.free_block_ids() == []
     # The evicted blocks lost their old registration and now carry req3's hashes.
     assert [m.block_hash(b) for b in m.block_ids("3")] == m.block_hashes("3")
@@ -164,10 +171,11 @@ def test_evict() -> None:
     assert m.num_free_blocks == 1  # 10 - (6 + 3)
 
     m.free("0")
-    assert m.free_block_ids() == [10, 6, 5, 4, 3, 2, 1]
+    # Partial block (no hash) at the head, cached ones at the tail (LRU).
+    assert m.free_block_ids() == [6, 10, 5, 4, 3, 2, 1]
     m.free("1")
     assert m.num_free_blocks == 10
-    assert m.free_block_ids() == [10, 6, 5, 4, 3, 2, 1, 9, 8, 7]
+    assert m.free_block_ids() == [6, 10, 5, 4, 3, 2, 1, 9, 8, 7]
 
     # Touch the first 2 blocks.
     m.add_request("2", list(range(2 * 16 + 3)))
@@ -176,9 +184,9 @@ def test_evict() -> None:
     new = m.allocate_slots(
         "2", 3, num_computed_tokens=0, num_new_computed_tokens=32, new_computed_blocks=hits
     )
-    assert new == [10]
+    assert new == [6]
     assert m.num_free_blocks == 7
-    assert m.free_block_ids() == [6, 5, 4, 3, 9, 8, 7]
+    assert m.free_block_ids() == [10, 5, 4, 3, 9, 8, 7]
     m.check_invariants()
 
 
@@ -226,11 +234,13 @@ def test_basic_prefix_caching_disabled() -> None:
     assert m.block_hashes("1") == []
     assert m.num_cached_blocks("1") == 0
     m.free("1")
+    # Nothing is hashed, so every freed block is prepended (LIFO reuse).
+    assert m.free_block_ids() == [3, 2, 1, 4]
 
     # No caching: a shared prefix gives no hit.
     hits, num_hit, new = admit(m, "2", list(range(16)))
     assert (hits, num_hit) == ([], 0)
-    assert new is not None and len(new) == 4
+    assert new == [3, 2, 1, 4]
 
     # The pool is exhausted.
     m.add_request("3", list(range(4)))
@@ -383,9 +393,9 @@ def test_prefill_plp_style_duplicate_blocks() -> None:
     m.free("2")
     m.free("0")
     m.free("1")
-    assert m.free_block_ids() == [10, 9, 4, 3, 2, 1, 8, 7, 6, 5]
-    # Evict 10, 9, 4, 3, 2, 1: prefix blocks 0-2 are now served by the duplicates 5, 6, 7.
-    assert admit(m, "big", [42] * (6 * 16))[2] == [10, 9, 4, 3, 2, 1]
+    assert m.free_block_ids() == [8, 4, 9, 10, 3, 2, 1, 7, 6, 5]
+    # Evict 3, 2, 1: prefix blocks 0-2 are now served by the duplicates 5, 6, 7.
+    assert admit(m, "big", [42] * (7 * 16))[2] == [8, 4, 9, 10, 3, 2, 1]
     m.add_request("3", prompt)
     assert m.get_computed_blocks("3") == ([5, 6, 7], 48)
     m.check_invariants()
@@ -592,7 +602,7 @@ def test_all_or_nothing() -> None:
     admit(m, "a", list(range(9)))  # [1, 2, 3]; blocks 1, 2 cached
     admit(m, "b", [50, 51, 52, 53, 54])  # [4, 5]; block 4 cached
     m.free("a")
-    assert m.free_block_ids() == [6, 7, 3, 2, 1]
+    assert m.free_block_ids() == [3, 6, 7, 2, 1]
     m.add_request("c", [*range(8), 99, 98, 97])
     hits, num_hit = m.get_computed_blocks("c")
     assert (hits, num_hit) == ([1, 2], 8)
@@ -623,7 +633,7 @@ def test_all_or_nothing() -> None:
         new_computed_blocks=hits,
         num_lookahead_tokens=8,
     )
-    assert new == [6, 7, 3]
+    assert new == [3, 6, 7]
     assert m.num_free_blocks == 0
     m.check_invariants()
 
@@ -634,9 +644,7 @@ def test_full_sequence_must_fit() -> None:
     m = KVCacheManager(6, 4, 64)  # 5 usable blocks
     m.add_request("long", list(range(24)))  # 6 blocks
     before = snapshot(m)
-    assert (
-        m.allocate_slots("long", 8, num_computed_tokens=0, full_sequence_must_fit=True) is None
-    )
+    assert m.allocate_slots("long", 8, num_computed_tokens=0, full_sequence_must_fit=True) is None
     assert snapshot(m) == before
     assert m.allocate_slots("long", 8, num_computed_tokens=0) == [1, 2]
     m.free("long")
@@ -779,8 +787,38 @@ def test_properties_and_bookkeeping() -> None:
     assert not m.has_request("b") and m.free_block_ids() == before
     m.free("a")
     assert m.num_requests == 0 and m.usage == 0.0
-    assert m.free_block_ids() == [4, 5, 6, 7, 8, 3, 2, 1]
+    assert m.free_block_ids() == [3, 4, 5, 6, 7, 8, 2, 1]  # partial block 3 first
     # The id can be reused after free.
     m.add_request("a", [3])
     assert m.block_ids("a") == []
+    m.check_invariants()
+
+
+def test_token_containers_hash_alike() -> None:
+    """Lists, tuples, ranges, numpy int32/int64 arrays and non-contiguous views are the same
+    token sequence (and give the same chain of hashes)."""
+    m = KVCacheManager(11, 2, 64, hash_seed=3)
+    m.add_request("list", [256, 512, 3, 4, 5])
+    expected = m.block_hashes("list")
+    base = np.array([256, 0, 512, 0, 3, 0, 4, 0, 5, 0], dtype=np.int64)
+    for rid, tokens in [
+        ("tuple", (256, 512, 3, 4, 5)),
+        ("i32", np.array([256, 512, 3, 4, 5], dtype=np.int32)),
+        ("strided", base[::2]),
+        ("reversed", np.array([5, 4, 3, 512, 256], dtype=np.int32)[::-1]),
+        ("np-scalars", [np.int64(256), np.int32(512), 3, 4, 5]),
+    ]:
+        m.add_request(rid, tokens)
+        assert m.num_tokens(rid) == 5
+        assert m.block_hashes(rid) == expected, rid
+    m.add_request("range", range(4))
+    m.add_request("range-list", [0, 1, 2, 3])
+    assert m.block_hashes("range") == m.block_hashes("range-list")
+
+
+def test_block_larger_than_max_model_len() -> None:
+    m = KVCacheManager(4, 128, 64)
+    m.add_request("r", list(range(64)))
+    assert m.allocate_slots("r", 64, num_computed_tokens=0, num_lookahead_tokens=8) == [1]
+    assert m.num_cached_blocks("r") == 0  # never a full block
     m.check_invariants()

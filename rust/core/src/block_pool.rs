@@ -21,6 +21,8 @@ pub struct BlockPool {
     free: FreeQueue,
     prefix: PrefixMap,
     enable_caching: bool,
+    /// Reused buffer of `free_blocks`.
+    scratch: Vec<u32>,
 }
 
 impl BlockPool {
@@ -40,6 +42,7 @@ impl BlockPool {
             free: FreeQueue::new(num_blocks, 1..num_blocks as u32),
             prefix: PrefixMap::with_capacity(if enable_caching { num_blocks } else { 0 }),
             enable_caching,
+            scratch: Vec::new(),
         })
     }
 
@@ -130,9 +133,13 @@ impl BlockPool {
         }
     }
 
-    /// Drops one reference from each block, in the given order; blocks that reach zero join the
-    /// tail of the free queue in that order (their hashes are kept).
+    /// Drops one reference from each block, in the given order. Blocks that reach zero join the
+    /// free queue in that order, split as vLLM 0.33 does: blocks registered in the prefix cache
+    /// go to the tail (evicted last, so they can still be hit); blocks without a hash (partial,
+    /// lookahead or uncached blocks) go to the head, to be reused first.
     pub fn free_blocks(&mut self, blocks: impl IntoIterator<Item = u32>) {
+        let mut reuse_first = std::mem::take(&mut self.scratch);
+        reuse_first.clear();
         for b in blocks {
             if b == NULL_BLOCK {
                 continue;
@@ -145,9 +152,17 @@ impl BlockPool {
             }
             *rc -= 1;
             if *rc == 0 {
-                self.free.push_back(b);
+                if self.block_hash[b as usize].is_some() {
+                    self.free.push_back(b);
+                } else {
+                    reuse_first.push(b);
+                }
             }
         }
+        for &b in reuse_first.iter().rev() {
+            self.free.push_front(b);
+        }
+        self.scratch = reuse_first;
     }
 
     /// Registers `blocks[i]` under `hashes[i]` for every pair. A block already registered
@@ -286,10 +301,11 @@ mod tests {
         pool.get_new_blocks(2, &mut out).unwrap();
         pool.cache_full_blocks(&out[..1], &[[7; 32]]);
         pool.free_blocks(out.iter().rev().copied());
-        assert_eq!(pool.free_block_ids(), [3, 2, 1]);
+        // Unhashed block 2 is reused first; cached block 1 is evicted last.
+        assert_eq!(pool.free_block_ids(), [2, 3, 1]);
         assert_eq!(pool.get_cached_block(&[7; 32]), Some(1));
         pool.touch(&[1]);
-        assert_eq!(pool.free_block_ids(), [3, 2]);
+        assert_eq!(pool.free_block_ids(), [2, 3]);
         assert_eq!(pool.ref_count(1), 1);
         pool.check_invariants(None).unwrap();
         assert!(!pool.reset_prefix_cache());

@@ -464,12 +464,22 @@ impl Model {
     }
 
     /// §2.7: tail block first; blocks reaching zero join the tail of the free queue.
+    /// vLLM 0.33: released tail first; cached blocks to the tail of the queue, blocks without
+    /// a hash to the head (in release order).
     fn free(&mut self, req: &mut ModelRequest) {
+        let mut reuse_first = Vec::new();
         for &b in req.blocks.iter().rev() {
             self.ref_cnt[b as usize] -= 1;
             if self.ref_cnt[b as usize] == 0 {
-                self.free.push_back(b);
+                if self.registered[b as usize].is_some() {
+                    self.free.push_back(b);
+                } else {
+                    reuse_first.push(b);
+                }
             }
+        }
+        for &b in reuse_first.iter().rev() {
+            self.free.push_front(b);
         }
         req.blocks.clear();
         req.num_cached = 0;
@@ -975,15 +985,19 @@ impl<'a> Harness<'a> {
         let pool = self.mgr.pool();
         let blocks = self.live[i].real.block_ids.clone();
         let refs_before: Vec<u32> = blocks.iter().map(|&b| pool.ref_count(b)).collect();
-        let mut expected_free = pool.free_block_ids();
-        expected_free.extend(
-            blocks
-                .iter()
-                .rev()
-                .zip(refs_before.iter().rev())
-                .filter(|(_, &rc)| rc == 1)
-                .map(|(&b, _)| b),
-        );
+        let released: Vec<u32> = blocks
+            .iter()
+            .rev()
+            .zip(refs_before.iter().rev())
+            .filter(|(_, &rc)| rc == 1)
+            .map(|(&b, _)| b)
+            .collect();
+        let (cached, uncached): (Vec<u32>, Vec<u32>) = released
+            .iter()
+            .partition(|&&b| pool.block_hash(b).is_some());
+        let mut expected_free = uncached;
+        expected_free.extend(pool.free_block_ids());
+        expected_free.extend(cached);
 
         let r = &mut self.live[i];
         self.mgr.free(&mut r.real);
@@ -998,7 +1012,7 @@ impl<'a> Harness<'a> {
         prop_assert_eq!(
             pool.free_block_ids(),
             expected_free,
-            "freed blocks appended tail first"
+            "freed blocks: uncached to the head, cached to the tail, tail first"
         );
 
         let before = Snapshot::take(&self.mgr, &self.live);
