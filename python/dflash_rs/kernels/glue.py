@@ -21,7 +21,6 @@ instead of silently clamped.
 from __future__ import annotations
 
 import os
-
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Union
