@@ -4,7 +4,7 @@
 //! A freed block keeps its hash and stays in the prefix map as an eviction candidate until it is
 //! popped for reuse (which evicts the hash) or adopted again through [`BlockPool::touch`].
 
-use crate::error::{broken, invalid, CoreError, CoreResult};
+use crate::error::{broken, invalid, try_filled_vec, CoreError, CoreResult};
 use crate::free_queue::FreeQueue;
 use crate::hashing::BlockHash;
 use crate::prefix_map::PrefixMap;
@@ -37,10 +37,10 @@ impl BlockPool {
             return Err(invalid!("num_blocks {num_blocks} is too large"));
         }
         Ok(Self {
-            ref_cnt: vec![0; num_blocks],
-            block_hash: vec![None; num_blocks],
-            free: FreeQueue::new(num_blocks, 1..num_blocks as u32),
-            prefix: PrefixMap::with_capacity(if enable_caching { num_blocks } else { 0 }),
+            ref_cnt: try_filled_vec(num_blocks, 0, "block ref counts")?,
+            block_hash: try_filled_vec(num_blocks, None, "block hashes")?,
+            free: FreeQueue::try_new(num_blocks, 1..num_blocks as u32)?,
+            prefix: PrefixMap::try_with_capacity(if enable_caching { num_blocks } else { 0 })?,
             enable_caching,
             scratch: Vec::new(),
         })

@@ -44,3 +44,15 @@ macro_rules! broken {
     ($($arg:tt)*) => { $crate::error::CoreError::Invariant(format!($($arg)*)) };
 }
 pub(crate) use broken;
+
+/// A vector of `len` copies of `value`, or an error instead of an abort when memory runs out.
+pub fn try_filled_vec<T: Clone>(len: usize, value: T, what: &str) -> CoreResult<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| {
+        CoreError::InvalidArgument(format!(
+            "cannot allocate {what} of {len} entries: out of memory"
+        ))
+    })?;
+    v.resize(len, value);
+    Ok(v)
+}

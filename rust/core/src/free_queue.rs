@@ -7,6 +7,8 @@
 /// Link value of a block that is not in the queue.
 const UNLINKED: u32 = u32::MAX;
 
+use crate::error::{try_filled_vec, CoreResult};
+
 /// Free blocks in eviction order.
 #[derive(Debug, Clone)]
 pub struct FreeQueue {
@@ -18,11 +20,16 @@ pub struct FreeQueue {
 impl FreeQueue {
     /// A queue over block ids `0..num_blocks`, holding `initial` in the given order.
     pub fn new(num_blocks: usize, initial: impl IntoIterator<Item = u32>) -> Self {
+        Self::try_new(num_blocks, initial).expect("out of memory for the free queue")
+    }
+
+    /// Like [`Self::new`], but reports an allocation failure instead of aborting.
+    pub fn try_new(num_blocks: usize, initial: impl IntoIterator<Item = u32>) -> CoreResult<Self> {
         let head = num_blocks as u32;
         let tail = head + 1;
         let mut q = Self {
-            prev: vec![UNLINKED; num_blocks + 2],
-            next: vec![UNLINKED; num_blocks + 2],
+            prev: try_filled_vec(num_blocks + 2, UNLINKED, "the free queue")?,
+            next: try_filled_vec(num_blocks + 2, UNLINKED, "the free queue")?,
             len: 0,
         };
         q.next[head as usize] = tail;
@@ -30,7 +37,7 @@ impl FreeQueue {
         for b in initial {
             q.push_back(b);
         }
-        q
+        Ok(q)
     }
 
     fn head(&self) -> u32 {

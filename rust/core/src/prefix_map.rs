@@ -6,6 +6,7 @@
 
 use hashbrown::HashMap;
 
+use crate::error::{CoreError, CoreResult};
 use crate::hashing::BlockHash;
 
 #[derive(Debug, Clone)]
@@ -23,12 +24,16 @@ pub struct PrefixMap {
 }
 
 impl PrefixMap {
-    /// An empty map with room for `capacity` keys (no rehash while the pool fills).
-    pub fn with_capacity(capacity: usize) -> Self {
-        Self {
-            map: HashMap::with_capacity(capacity),
-            num_blocks: 0,
-        }
+    /// An empty map with room for `capacity` keys (no rehash while the pool fills), or an
+    /// error instead of an abort when memory runs out.
+    pub fn try_with_capacity(capacity: usize) -> CoreResult<Self> {
+        let mut map = HashMap::new();
+        map.try_reserve(capacity).map_err(|_| {
+            CoreError::InvalidArgument(format!(
+                "cannot allocate a prefix cache of {capacity} blocks: out of memory"
+            ))
+        })?;
+        Ok(Self { map, num_blocks: 0 })
     }
 
     /// Number of distinct hashes.
