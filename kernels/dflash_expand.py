@@ -1,0 +1,1 @@
+../python/dflash_rs/kernels/dflash_expand.py

@@ -1,0 +1,1 @@
+../python/dflash_rs/kernels/reference.py
