@@ -82,20 +82,21 @@ impl PrefixMap {
 
     /// Removes `block` from `hash`'s registrations; returns whether it was there.
     pub fn pop(&mut self, hash: &BlockHash, block: u32) -> bool {
-        let Some(entry) = self.map.get_mut(hash) else {
+        // One probe of the map: the entry API finds the key once for the read and the removal.
+        let hashbrown::hash_map::Entry::Occupied(mut slot) = self.map.entry(*hash) else {
             return false;
         };
-        let removed = match entry {
+        let removed = match slot.get_mut() {
             Entry::One(b) if *b == block => {
-                self.map.remove(hash);
+                slot.remove();
                 true
             }
             Entry::One(_) => false,
             Entry::Many(v) => match v.iter().position(|b| *b == block) {
                 Some(i) => {
                     v.remove(i);
-                    if v.len() == 1 {
-                        *entry = Entry::One(v[0]);
+                    if let [only] = v[..] {
+                        *slot.get_mut() = Entry::One(only);
                     }
                     true
                 }

@@ -7,30 +7,81 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PySet, PyString};
 
 /// A request scheduled for the first time (or resumed), with everything the runner needs.
-#[pyclass(module = "dflash_rs._core", name = "NewRequestData", frozen, get_all)]
+/// Token and block lists are built from Rust buffers on first access.
+#[pyclass(module = "dflash_rs._core", name = "NewRequestData", frozen)]
 pub struct PyNewRequestData {
     /// Request id.
+    #[pyo3(get)]
     pub req_id: Py<PyString>,
-    /// Prompt token ids.
-    pub prompt_token_ids: Py<PyList>,
-    /// Every block the request holds (prefix hits first).
-    pub block_ids: Py<PyList>,
     /// Tokens already computed (prefix-cache hits).
+    #[pyo3(get)]
     pub num_computed_tokens: usize,
     /// True when the request was preempted before and recomputes prompt + outputs.
+    #[pyo3(get)]
     pub resumed: bool,
-    /// Prompt + output tokens (what a resumed request recomputes).
-    pub all_token_ids: Py<PyList>,
+    /// Prompt + output tokens; the prompt is the first `num_prompt_tokens`.
+    pub all_tokens: Vec<u32>,
+    /// Prompt length.
+    pub num_prompt_tokens: usize,
+    /// Every block the request holds (prefix hits first).
+    pub blocks: Vec<u32>,
+    lists: [PyOnceLock<Py<PyList>>; 3],
+}
+
+impl PyNewRequestData {
+    /// A new-request record; the Python lists are built lazily.
+    pub fn new(
+        req_id: Py<PyString>,
+        num_computed_tokens: usize,
+        resumed: bool,
+        all_tokens: Vec<u32>,
+        num_prompt_tokens: usize,
+        blocks: Vec<u32>,
+    ) -> Self {
+        Self {
+            req_id,
+            num_computed_tokens,
+            resumed,
+            all_tokens,
+            num_prompt_tokens,
+            blocks,
+            lists: [PyOnceLock::new(), PyOnceLock::new(), PyOnceLock::new()],
+        }
+    }
+
+    fn list(&self, py: Python<'_>, which: usize, values: &[u32]) -> PyResult<Py<PyList>> {
+        let list =
+            self.lists[which].get_or_try_init(py, || PyList::new(py, values).map(Bound::unbind))?;
+        Ok(list.clone_ref(py))
+    }
 }
 
 #[pymethods]
 impl PyNewRequestData {
+    /// Prompt token ids.
+    #[getter]
+    fn prompt_token_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        self.list(py, 0, &self.all_tokens[..self.num_prompt_tokens])
+    }
+
+    /// Every block the request holds (prefix hits first).
+    #[getter]
+    fn block_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        self.list(py, 1, &self.blocks)
+    }
+
+    /// Prompt + output tokens (what a resumed request recomputes).
+    #[getter]
+    fn all_token_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        self.list(py, 2, &self.all_tokens)
+    }
+
     fn __repr__(&self, py: Python<'_>) -> String {
         format!(
-            "NewRequestData(req_id={}, num_computed_tokens={}, block_ids={}, resumed={})",
+            "NewRequestData(req_id={}, num_computed_tokens={}, block_ids={:?}, resumed={})",
             self.req_id.bind(py),
             self.num_computed_tokens,
-            self.block_ids.bind(py),
+            self.blocks,
             self.resumed
         )
     }

@@ -213,14 +213,14 @@ impl PyScheduler {
                 EntryKind::Resumed => 2,
             });
             if kind != EntryKind::Running {
-                let data = PyNewRequestData {
-                    req_id: id.clone_ref(py),
-                    prompt_token_ids: PyList::new(py, &r.spec.prompt_token_ids)?.unbind(),
-                    block_ids: PyList::new(py, &r.blocks.block_ids)?.unbind(),
-                    num_computed_tokens: step.num_computed_tokens[i] as usize,
-                    resumed: kind == EntryKind::Resumed,
-                    all_token_ids: PyList::new(py, &r.tokens)?.unbind(),
-                };
+                let data = PyNewRequestData::new(
+                    id.clone_ref(py),
+                    step.num_computed_tokens[i] as usize,
+                    kind == EntryKind::Resumed,
+                    r.tokens.clone(),
+                    r.num_prompt_tokens(),
+                    r.blocks.block_ids.clone(),
+                );
                 new_reqs.append(Py::new(py, data)?)?;
             }
             req_ids.append(id)?;
