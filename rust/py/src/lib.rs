@@ -7,6 +7,7 @@ mod hash_config;
 mod kv_cache_manager;
 mod outputs;
 mod scheduler;
+mod scheduler_args;
 
 use pyo3::prelude::*;
 

@@ -5,6 +5,9 @@
 //! the speculative method needs ([`crate::lookahead`]), so every position the target or the
 //! drafter writes in the step lies in a block the request owns.
 
+mod invariants;
+mod update;
+
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -15,7 +18,7 @@ use crate::error::{broken, invalid, CoreError, CoreResult};
 use crate::hashing::BlockHasher;
 use crate::kv_manager::{AllocateArgs, KvCacheManager, PrefixCacheStats};
 use crate::lookahead::{lookahead_tokens, AllocationKind};
-use crate::output::{EntryKind, RequestUpdate, StepOutput, UpdateOutput};
+use crate::output::{EntryKind, StepOutput};
 use crate::queue::{Policy, PriorityKey, WaitingQueue};
 use crate::request::{FinishReason, Request, RequestSpec, RequestStatus};
 use crate::request_store::RequestStore;
@@ -638,113 +641,6 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Applies the model's sampled tokens for step `step_id` (the oldest step in flight):
-    /// `counts[i]` tokens for batch entry `i`, flat in `tokens`. Rolls back rejected drafts,
-    /// appends accepted tokens with stop checks, and finishes stopped requests.
-    pub fn update_from_output(
-        &mut self,
-        step_id: u64,
-        tokens: &[u32],
-        counts: &[u32],
-        out: &mut UpdateOutput,
-    ) -> CoreResult<()> {
-        out.updates.clear();
-        out.new_token_ids.clear();
-        if counts.is_empty()
-            && tokens.is_empty()
-            && self.in_flight.front().is_none_or(|s| s.step_id != step_id)
-        {
-            return Ok(()); // an empty step awaits no output
-        }
-        let Some(step) = self.in_flight.front() else {
-            return Err(CoreError::State(format!(
-                "no step is awaiting output (step {step_id} was already applied, or schedule() was not called)"
-            )));
-        };
-        if step.step_id != step_id {
-            return Err(CoreError::State(if step_id < step.step_id {
-                format!("the output of step {step_id} was already applied")
-            } else {
-                format!("outputs must be applied in order: step {} is still awaiting output, got step {step_id}", step.step_id)
-            }));
-        }
-        if counts.len() != step.entries.len() {
-            return Err(invalid!(
-                "the model output has {} requests but step {step_id} scheduled {}",
-                counts.len(),
-                step.entries.len()
-            ));
-        }
-        let total: usize = counts.iter().map(|&c| c as usize).sum();
-        if total != tokens.len() {
-            return Err(invalid!(
-                "sampled counts sum to {total} but {} tokens were given",
-                tokens.len()
-            ));
-        }
-        for (i, (e, &c)) in step.entries.iter().zip(counts).enumerate() {
-            if c > e.num_spec_tokens + 1 {
-                return Err(invalid!(
-                    "request at batch index {i} sampled {c} tokens but only {} can be accepted (1 + {} drafts)",
-                    e.num_spec_tokens + 1,
-                    e.num_spec_tokens
-                ));
-            }
-        }
-        let step = self
-            .in_flight
-            .pop_front()
-            .ok_or_else(|| broken!("in-flight step vanished"))?;
-        let max_model_len = self.config.max_model_len;
-        let mut start = 0usize;
-        for (e, &count) in step.entries.iter().zip(counts) {
-            let sampled = &tokens[start..start + count as usize];
-            start += count as usize;
-            let Some(r) = self.store.get_mut_if_current(e.slot, e.generation) else {
-                continue;
-            };
-            if r.is_finished() || sampled.is_empty() || e.is_prefill_chunk {
-                continue;
-            }
-            if e.num_spec_tokens > 0 {
-                let accepted = sampled.len() as u32 - 1;
-                let rejected = e.num_spec_tokens - accepted;
-                if r.num_computed_tokens > 0 {
-                    r.num_computed_tokens -= rejected as usize;
-                }
-                self.stats.num_drafts += 1;
-                self.stats.num_draft_tokens += e.num_spec_tokens as u64;
-                self.stats.num_accepted_tokens += accepted as u64;
-                for pos in 0..accepted as usize {
-                    if let Some(c) = self.stats.num_accepted_tokens_per_pos.get_mut(pos) {
-                        *c += 1;
-                    }
-                }
-            }
-            let tokens_start = out.new_token_ids.len() as u32;
-            let mut finish = None;
-            for &t in sampled {
-                out.new_token_ids.push(t);
-                finish = r.append_and_check_stop(t, max_model_len, self.hasher.as_ref());
-                if finish.is_some() {
-                    break;
-                }
-            }
-            let stop_token = r.stop_token;
-            out.updates.push(RequestUpdate {
-                slot: e.slot,
-                tokens_start,
-                tokens_end: out.new_token_ids.len() as u32,
-                finish_reason: finish,
-                stop_token,
-            });
-            if let Some(reason) = finish {
-                self.finish(e.slot, reason)?;
-            }
-        }
-        Ok(())
-    }
-
     /// Finishes a live request: out of the queues, blocks freed, id reported once.
     fn finish(&mut self, slot: u32, reason: FinishReason) -> CoreResult<()> {
         let status = self.store.get(slot)?.status;
@@ -788,90 +684,6 @@ impl Scheduler {
     /// Empties the prefix cache; false while any block is held.
     pub fn reset_prefix_cache(&mut self) -> bool {
         self.kv.reset_prefix_cache()
-    }
-
-    /// Checks every invariant: pool accounting and ref counts, queue membership, block-table
-    /// rows, and the ownership contract (every running request owns slots for
-    /// `min(num_computed + required lookahead, max_model_len)` positions).
-    pub fn check_invariants(&self) -> CoreResult<()> {
-        self.kv
-            .check_invariants(self.store.iter().map(|(_, r)| &r.blocks))?;
-        if self.running.len() > self.config.max_num_seqs {
-            return Err(broken!(
-                "{} running requests exceed max_num_seqs {}",
-                self.running.len(),
-                self.config.max_num_seqs
-            ));
-        }
-        if self.running.len() + self.waiting.len() != self.store.len() {
-            return Err(broken!(
-                "running {} + waiting {} != live requests {}",
-                self.running.len(),
-                self.waiting.len(),
-                self.store.len()
-            ));
-        }
-        let table = self.rows.table();
-        let required = self.config.required_lookahead();
-        let bs = self.config.block_size;
-        for &slot in &self.running {
-            let r = self.store.get(slot)?;
-            if r.status != RequestStatus::Running {
-                return Err(broken!(
-                    "request {:?} is in running with status {:?}",
-                    r.spec.request_id,
-                    r.status
-                ));
-            }
-            let row = self
-                .store
-                .row(slot)
-                .ok_or_else(|| broken!("running request without a row"))?
-                as usize;
-            let ids: Vec<i32> = r.blocks.block_ids.iter().map(|&b| b as i32).collect();
-            if table.row(row) != ids.as_slice() {
-                return Err(broken!(
-                    "block-table row {row} differs from request {:?}'s blocks",
-                    r.spec.request_id
-                ));
-            }
-            if table.full_row(row)[ids.len()..].iter().any(|&x| x != 0) {
-                return Err(broken!(
-                    "block-table row {row} holds stale ids past its count"
-                ));
-            }
-            let must_own = (r.num_computed_tokens + required).min(self.config.max_model_len);
-            if r.blocks.block_ids.len() * bs < must_own {
-                return Err(broken!(
-                    "ownership: request {:?} owns {} slots but positions up to {} must be writable",
-                    r.spec.request_id,
-                    r.blocks.block_ids.len() * bs,
-                    must_own
-                ));
-            }
-        }
-        for slot in self.waiting.handles_in_order() {
-            let r = self.store.get(slot)?;
-            if !matches!(r.status, RequestStatus::Waiting | RequestStatus::Preempted) {
-                return Err(broken!(
-                    "request {:?} is waiting with status {:?}",
-                    r.spec.request_id,
-                    r.status
-                ));
-            }
-            if !r.blocks.block_ids.is_empty() || self.store.row(slot).is_some() {
-                return Err(broken!(
-                    "waiting request {:?} holds blocks or a row",
-                    r.spec.request_id
-                ));
-            }
-        }
-        for row in self.rows.len()..table.num_rows() {
-            if table.counts()[row] != 0 || table.full_row(row).iter().any(|&x| x != 0) {
-                return Err(broken!("unused block-table row {row} is not zero"));
-            }
-        }
-        Ok(())
     }
 }
 

@@ -1,0 +1,92 @@
+//! The scheduler's invariant check, including the ownership contract.
+
+use crate::error::{broken, CoreResult};
+use crate::request::RequestStatus;
+
+use super::Scheduler;
+
+impl Scheduler {
+    /// Checks every invariant: pool accounting and ref counts, queue membership, block-table
+    /// rows, and the ownership contract (every running request owns slots for
+    /// `min(num_computed + required lookahead, max_model_len)` positions).
+    pub fn check_invariants(&self) -> CoreResult<()> {
+        self.kv
+            .check_invariants(self.store.iter().map(|(_, r)| &r.blocks))?;
+        if self.running.len() > self.config.max_num_seqs {
+            return Err(broken!(
+                "{} running requests exceed max_num_seqs {}",
+                self.running.len(),
+                self.config.max_num_seqs
+            ));
+        }
+        if self.running.len() + self.waiting.len() != self.store.len() {
+            return Err(broken!(
+                "running {} + waiting {} != live requests {}",
+                self.running.len(),
+                self.waiting.len(),
+                self.store.len()
+            ));
+        }
+        let table = self.rows.table();
+        let required = self.config.required_lookahead();
+        let bs = self.config.block_size;
+        for &slot in &self.running {
+            let r = self.store.get(slot)?;
+            if r.status != RequestStatus::Running {
+                return Err(broken!(
+                    "request {:?} is in running with status {:?}",
+                    r.spec.request_id,
+                    r.status
+                ));
+            }
+            let row = self
+                .store
+                .row(slot)
+                .ok_or_else(|| broken!("running request without a row"))?
+                as usize;
+            let ids: Vec<i32> = r.blocks.block_ids.iter().map(|&b| b as i32).collect();
+            if table.row(row) != ids.as_slice() {
+                return Err(broken!(
+                    "block-table row {row} differs from request {:?}'s blocks",
+                    r.spec.request_id
+                ));
+            }
+            if table.full_row(row)[ids.len()..].iter().any(|&x| x != 0) {
+                return Err(broken!(
+                    "block-table row {row} holds stale ids past its count"
+                ));
+            }
+            let must_own = (r.num_computed_tokens + required).min(self.config.max_model_len);
+            if r.blocks.block_ids.len() * bs < must_own {
+                return Err(broken!(
+                    "ownership: request {:?} owns {} slots but positions up to {} must be writable",
+                    r.spec.request_id,
+                    r.blocks.block_ids.len() * bs,
+                    must_own
+                ));
+            }
+        }
+        for slot in self.waiting.handles_in_order() {
+            let r = self.store.get(slot)?;
+            if !matches!(r.status, RequestStatus::Waiting | RequestStatus::Preempted) {
+                return Err(broken!(
+                    "request {:?} is waiting with status {:?}",
+                    r.spec.request_id,
+                    r.status
+                ));
+            }
+            if !r.blocks.block_ids.is_empty() || self.store.row(slot).is_some() {
+                return Err(broken!(
+                    "waiting request {:?} holds blocks or a row",
+                    r.spec.request_id
+                ));
+            }
+        }
+        for row in self.rows.len()..table.num_rows() {
+            if table.counts()[row] != 0 || table.full_row(row).iter().any(|&x| x != 0) {
+                return Err(broken!("unused block-table row {row} is not zero"));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,115 @@
+//! Applying the model's output to the scheduler: rejected drafts, accepted tokens, stops.
+
+use crate::error::{broken, invalid, CoreError, CoreResult};
+use crate::output::{RequestUpdate, UpdateOutput};
+
+use super::Scheduler;
+
+impl Scheduler {
+    /// Applies the model's sampled tokens for step `step_id` (the oldest step in flight):
+    /// `counts[i]` tokens for batch entry `i`, flat in `tokens`. Rolls back rejected drafts,
+    /// appends accepted tokens with stop checks, and finishes stopped requests.
+    pub fn update_from_output(
+        &mut self,
+        step_id: u64,
+        tokens: &[u32],
+        counts: &[u32],
+        out: &mut UpdateOutput,
+    ) -> CoreResult<()> {
+        out.updates.clear();
+        out.new_token_ids.clear();
+        if counts.is_empty()
+            && tokens.is_empty()
+            && self.in_flight.front().is_none_or(|s| s.step_id != step_id)
+        {
+            return Ok(()); // an empty step awaits no output
+        }
+        let Some(step) = self.in_flight.front() else {
+            return Err(CoreError::State(format!(
+                "no step is awaiting output (step {step_id} was already applied, or schedule() was not called)"
+            )));
+        };
+        if step.step_id != step_id {
+            return Err(CoreError::State(if step_id < step.step_id {
+                format!("the output of step {step_id} was already applied")
+            } else {
+                format!("outputs must be applied in order: step {} is still awaiting output, got step {step_id}", step.step_id)
+            }));
+        }
+        if counts.len() != step.entries.len() {
+            return Err(invalid!(
+                "the model output has {} requests but step {step_id} scheduled {}",
+                counts.len(),
+                step.entries.len()
+            ));
+        }
+        let total: usize = counts.iter().map(|&c| c as usize).sum();
+        if total != tokens.len() {
+            return Err(invalid!(
+                "sampled counts sum to {total} but {} tokens were given",
+                tokens.len()
+            ));
+        }
+        for (i, (e, &c)) in step.entries.iter().zip(counts).enumerate() {
+            if c > e.num_spec_tokens + 1 {
+                return Err(invalid!(
+                    "request at batch index {i} sampled {c} tokens but only {} can be accepted (1 + {} drafts)",
+                    e.num_spec_tokens + 1,
+                    e.num_spec_tokens
+                ));
+            }
+        }
+        let step = self
+            .in_flight
+            .pop_front()
+            .ok_or_else(|| broken!("in-flight step vanished"))?;
+        let max_model_len = self.config.max_model_len;
+        let mut start = 0usize;
+        for (e, &count) in step.entries.iter().zip(counts) {
+            let sampled = &tokens[start..start + count as usize];
+            start += count as usize;
+            let Some(r) = self.store.get_mut_if_current(e.slot, e.generation) else {
+                continue;
+            };
+            if r.is_finished() || sampled.is_empty() || e.is_prefill_chunk {
+                continue;
+            }
+            if e.num_spec_tokens > 0 {
+                let accepted = sampled.len() as u32 - 1;
+                let rejected = e.num_spec_tokens - accepted;
+                if r.num_computed_tokens > 0 {
+                    r.num_computed_tokens -= rejected as usize;
+                }
+                self.stats.num_drafts += 1;
+                self.stats.num_draft_tokens += e.num_spec_tokens as u64;
+                self.stats.num_accepted_tokens += accepted as u64;
+                for pos in 0..accepted as usize {
+                    if let Some(c) = self.stats.num_accepted_tokens_per_pos.get_mut(pos) {
+                        *c += 1;
+                    }
+                }
+            }
+            let tokens_start = out.new_token_ids.len() as u32;
+            let mut finish = None;
+            for &t in sampled {
+                out.new_token_ids.push(t);
+                finish = r.append_and_check_stop(t, max_model_len, self.hasher.as_ref());
+                if finish.is_some() {
+                    break;
+                }
+            }
+            let stop_token = r.stop_token;
+            out.updates.push(RequestUpdate {
+                slot: e.slot,
+                tokens_start,
+                tokens_end: out.new_token_ids.len() as u32,
+                finish_reason: finish,
+                stop_token,
+            });
+            if let Some(reason) = finish {
+                self.finish(e.slot, reason)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,108 @@
+//! Reading the Python-side `SchedulerConfig` and `Request` objects into core types.
+
+use dflash_core::lookahead::{LookaheadPolicy, SpecMethod};
+use dflash_core::{ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec, SchedulerConfig};
+use pyo3::prelude::*;
+
+use crate::convert::{non_negative, token_ids};
+use crate::errors::{invalid, IntoPyResult};
+
+fn attr<'py, T: FromPyObjectOwned<'py>>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<T> {
+    let py = obj.py();
+    obj.getattr(name)
+        .map_err(|_| invalid(py, format!("config has no attribute {name:?}")))?
+        .extract::<T>()
+        .map_err(|_| invalid(py, format!("config.{name} has the wrong type")))
+}
+
+pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
+    let py = config.py();
+    let count =
+        |name: &str| -> PyResult<usize> { non_negative(py, name, attr::<i64>(config, name)?) };
+    let mut c = SchedulerConfig::new(
+        count("num_blocks")?,
+        count("block_size")?,
+        count("max_model_len")?,
+        count("max_num_seqs")?,
+        count("max_num_batched_tokens")?,
+    );
+    c.enable_prefix_caching = attr(config, "enable_prefix_caching")?;
+    c.enable_chunked_prefill = attr(config, "enable_chunked_prefill")?;
+    c.long_prefill_token_threshold = count("long_prefill_token_threshold")?;
+    c.policy = Policy::from_name(&attr::<String>(config, "policy")?).py(py)?;
+    c.hash_algo = HashAlgo::from_name(&attr::<String>(config, "hash_algo")?).py(py)?;
+    c.lookahead_policy =
+        LookaheadPolicy::from_name(&attr::<String>(config, "lookahead_policy")?).py(py)?;
+    let speculative = config.getattr("speculative")?;
+    if !speculative.is_none() {
+        c.spec_method = SpecMethod::from_name(&attr::<String>(&speculative, "method")?).py(py)?;
+        c.num_speculative_tokens = non_negative(
+            py,
+            "num_speculative_tokens",
+            attr(&speculative, "num_speculative_tokens")?,
+        )?;
+    }
+    let seed: Option<Bound<'_, PyAny>> = config.getattr("hash_seed").ok().filter(|s| !s.is_none());
+    c.hash_seed = crate::hash_config::seed_bytes(py, seed.as_ref())?;
+    c.validate().py(py)?;
+    Ok(c)
+}
+
+pub fn finish_reason_from_name(py: Python<'_>, name: &str) -> PyResult<FinishReason> {
+    match name {
+        "abort" | "aborted" | "FINISHED_ABORTED" => Ok(FinishReason::Abort),
+        "stop" | "stopped" | "FINISHED_STOPPED" => Ok(FinishReason::Stop),
+        "length" | "FINISHED_LENGTH_CAPPED" => Ok(FinishReason::Length),
+        "error" | "FINISHED_ERROR" => Ok(FinishReason::Error),
+        other => Err(invalid(
+            py,
+            format!("unknown finish status {other:?}; expected abort, stop, length or error"),
+        )),
+    }
+}
+
+fn opt_token(py: Python<'_>, what: &str, v: Option<i64>) -> PyResult<Option<u32>> {
+    v.map(|t| {
+        u32::try_from(t)
+            .ok()
+            .filter(|&t| t <= i32::MAX as u32)
+            .ok_or_else(|| invalid(py, format!("{what} = {t} is outside [0, 2**31 - 1]")))
+    })
+    .transpose()
+}
+
+pub fn request_spec(req: &Bound<'_, PyAny>) -> PyResult<RequestSpec> {
+    let py = req.py();
+    let get = |name: &str| {
+        req.getattr(name)
+            .map_err(|_| invalid(py, format!("request has no attribute {name:?}")))
+    };
+    let request_id: String = get("request_id")?
+        .extract()
+        .map_err(|_| invalid(py, "request_id must be a str"))?;
+    let prompt = token_ids(&get("prompt_token_ids")?, "prompt_token_ids")?;
+    let max_tokens: i64 = get("max_tokens")?.extract()?;
+    let min_tokens: i64 = get("min_tokens")?.extract()?;
+    let stop = token_ids(&get("stop_token_ids")?, "stop_token_ids")?;
+    let arrival = get("arrival_time")?;
+    let arrival_time: f64 = if arrival.is_none() {
+        0.0
+    } else {
+        arrival.extract()?
+    };
+    Ok(RequestSpec {
+        request_id,
+        prompt_token_ids: prompt,
+        max_tokens: non_negative(py, "max_tokens", max_tokens)?,
+        eos_token_id: opt_token(py, "eos_token_id", get("eos_token_id")?.extract()?)?,
+        stop_token_ids: stop,
+        ignore_eos: get("ignore_eos")?.extract()?,
+        min_tokens: non_negative(py, "min_tokens", min_tokens)?,
+        priority: get("priority")?.extract()?,
+        arrival_time,
+        extra: ExtraKeys {
+            lora_name: get("lora_name")?.extract()?,
+            cache_salt: get("cache_salt")?.extract()?,
+        },
+    })
+}
