@@ -2,6 +2,7 @@
 
 ``dflash-rs simulate`` is the main job: a serving simulation on the real scheduler, DFlash
 kernel and a paged KV cache that proves KV integrity. ``dflash-rs demo`` shows block tables.
+``dflash-rs bench`` times the scheduler per step, optionally next to vLLM's.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 from dflash_rs import demo
+from dflash_rs.bench import cli as bench
 from dflash_rs.sim import cli as simulate
 
 
@@ -31,6 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(run=demo.run)
+    bench_parser = sub.add_parser(
+        "bench",
+        help="per-step scheduler benchmark, optionally side by side with vLLM's scheduler",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(run=bench.run)
     return parser
 
 
@@ -38,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv or ["simulate"])
     if args.command is None:  # options only, e.g. ``dflash-rs --seed 3``: not accepted
-        build_parser().error("a command is required (simulate or demo)")
+        build_parser().error("a command is required (simulate, demo or bench)")
     return int(args.run(args))
 
 
