@@ -13,6 +13,15 @@ use crate::errors::{invalid, to_py, IntoPyResult};
 use crate::outputs::{LazyParts, PyNewRequestData, PyRequestOutput, PySchedulerOutput};
 use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec};
 
+/// The error for a call made while another thread is inside this scheduler.
+fn in_use(py: Python<'_>) -> PyErr {
+    crate::errors::py_error(
+        py,
+        "SchedulerStateError",
+        "the Scheduler is in use by another thread; serialize calls on one Scheduler".to_owned(),
+    )
+}
+
 /// Continuous-batching scheduler with DFlash-safe lookahead allocation.
 #[pyclass(module = "dflash_rs._core", name = "Scheduler")]
 pub struct PyScheduler {
@@ -68,7 +77,7 @@ impl PyScheduler {
 
     fn build_output(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
         let py = slf.py();
-        let this = slf.borrow();
+        let this = slf.try_borrow().map_err(|_| in_use(py))?;
         let step = &this.step;
         let n = step.num_reqs();
         let table = this.inner.block_table();
@@ -283,7 +292,7 @@ impl PyScheduler {
     fn schedule(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
         let py = slf.py();
         {
-            let mut this = slf.borrow_mut();
+            let mut this = slf.try_borrow_mut().map_err(|_| in_use(py))?;
             let this = &mut *this;
             let (inner, step) = (&mut this.inner, &mut this.step);
             py.detach(|| inner.schedule(step)).py(py)?;
