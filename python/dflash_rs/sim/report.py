@@ -168,6 +168,7 @@ def to_json(result: SimResult) -> Dict[str, Any]:
 
 
 def write_json(result: SimResult, path: Union[str, Path]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(to_json(result), indent=2, sort_keys=False) + "\n")
 
 
@@ -211,4 +212,5 @@ def write_plot(result: SimResult, path: Union[str, Path]) -> None:
     for ax in (ax_time, ax_reqs, ax_kv):
         for step in bad[:200]:
             ax.axvline(step, color="tab:red", alpha=0.25, lw=0.8)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
