@@ -34,9 +34,13 @@ pub struct StepOutput {
     pub query_start_loc: Vec<i32>,
     /// True where the step ends before the request's known tokens.
     pub is_prefill_chunk: Vec<bool>,
-    /// Index into the request's block list where this step's new blocks start (0 for
-    /// new/resumed requests, whose whole list is new to the runner).
-    pub new_blocks_start: Vec<u32>,
+    /// Blocks the runner has not seen yet, flat: this step's new blocks for running entries,
+    /// every block for new and resumed ones.
+    pub new_block_ids: Vec<u32>,
+    /// Per-entry count of `new_block_ids`.
+    pub num_new_blocks: Vec<u32>,
+    /// Generation of each entry's slot (identifies the request without an id lookup).
+    pub generations: Vec<u32>,
     /// Draft tokens scheduled for verification, flat, with per-entry counts.
     pub spec_token_ids: Vec<u32>,
     /// Per-entry number of scheduled draft tokens.
@@ -65,7 +69,9 @@ impl StepOutput {
         self.num_computed_tokens.clear();
         self.query_start_loc.clear();
         self.is_prefill_chunk.clear();
-        self.new_blocks_start.clear();
+        self.new_block_ids.clear();
+        self.num_new_blocks.clear();
+        self.generations.clear();
         self.spec_token_ids.clear();
         self.num_spec_tokens.clear();
         self.finished_req_ids.clear();

@@ -99,38 +99,33 @@ impl PyScheduler {
             kwargs.set_item("write", false)?;
             arr.call_method("setflags", (), Some(&kwargs))?;
         }
-        let req_ids = PyList::empty(py);
+        let ids = step
+            .slots
+            .iter()
+            .map(|&slot| this.id_of(py, slot))
+            .collect::<PyResult<Vec<_>>>()?;
         let new_reqs = PyList::empty(py);
         let mut kinds = Vec::with_capacity(n);
-        let mut new_blocks = Vec::new();
-        let mut new_block_counts = Vec::with_capacity(n);
-        for i in 0..n {
-            let slot = step.slots[i];
-            let id = this.id_of(py, slot)?;
-            let r = this.inner.requests().get(slot).py(py)?;
-            let start = step.new_blocks_start[i] as usize;
-            let blocks = &r.blocks.block_ids[start..];
-            new_blocks.extend_from_slice(blocks);
-            new_block_counts.push(blocks.len() as u32);
-            let kind = step.kinds[i];
+        for (i, kind) in step.kinds.iter().enumerate() {
             kinds.push(match kind {
                 EntryKind::Running => 0u8,
                 EntryKind::New => 1,
                 EntryKind::Resumed => 2,
             });
-            if kind != EntryKind::Running {
+            if *kind != EntryKind::Running {
+                let r = this.inner.requests().get(step.slots[i]).py(py)?;
                 let data = PyNewRequestData::new(
-                    id.clone_ref(py),
+                    ids[i].clone_ref(py),
                     step.num_computed_tokens[i] as usize,
-                    kind == EntryKind::Resumed,
+                    *kind == EntryKind::Resumed,
                     r.tokens.clone(),
                     r.num_prompt_tokens(),
                     r.blocks.block_ids.clone(),
                 );
                 new_reqs.append(Py::new(py, data)?)?;
             }
-            req_ids.append(id)?;
         }
+        let req_ids = PyList::new(py, ids)?;
         let finished = PySet::new(py, &step.finished_req_ids)?;
         let preempted = PySet::new(py, &step.preempted_req_ids)?;
         let parts = LazyParts {
@@ -138,13 +133,14 @@ impl PyScheduler {
             kinds,
             spec_tokens: step.spec_token_ids.clone(),
             spec_counts: step.num_spec_tokens.clone(),
-            new_blocks,
-            new_block_counts,
+            new_blocks: step.new_block_ids.clone(),
+            new_block_counts: step.num_new_blocks.clone(),
             num_computed: step.num_computed_tokens.clone(),
             slots: step
                 .slots
                 .iter()
-                .map(|&s| (s, this.inner.requests().generation(s)))
+                .copied()
+                .zip(step.generations.iter().copied())
                 .collect(),
             scheduler_uid: step.scheduler_uid,
         };

@@ -618,7 +618,10 @@ impl Scheduler {
                 .push(self.scratch.computed_before[s] as i32);
             out.query_start_loc.push(total as i32);
             out.is_prefill_chunk.push(r.is_prefill_chunk);
-            out.new_blocks_start.push(self.scratch.new_blocks_start[s]);
+            let new_blocks = &r.blocks.block_ids[self.scratch.new_blocks_start[s] as usize..];
+            out.new_block_ids.extend_from_slice(new_blocks);
+            out.num_new_blocks.push(new_blocks.len() as u32);
+            out.generations.push(generation);
             let spec = &self.scratch.spec[s];
             out.spec_token_ids.extend_from_slice(spec);
             out.num_spec_tokens.push(spec.len() as u32);
