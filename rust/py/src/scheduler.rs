@@ -355,7 +355,13 @@ impl PyScheduler {
                     None
                 },
             };
-            list.append(Py::new(py, ro)?)?;
+            let ro = Py::new(py, ro)?;
+            // A RequestOutput holds only a str and Rust data, so it can never be part of a
+            // reference cycle; untracking it keeps one object per request per step out of the
+            // garbage collector's young generation.
+            // SAFETY: `ro` is a live object of a GC type; untracking a tracked object is valid.
+            unsafe { pyo3::ffi::PyObject_GC_UnTrack(ro.as_ptr().cast()) };
+            list.append(ro)?;
         }
         if let Some(lists) = draft_lists {
             let ids = out.req_ids.bind(py);
