@@ -130,8 +130,16 @@ def _prepare_kernel(kernel: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_rs.sim.engine import run_simulation
-    from dflash_rs.sim.report import summary, write_json, write_plot
+    try:
+        from dflash_rs.sim.engine import run_simulation
+        from dflash_rs.sim.report import summary, write_json, write_plot
+    except ImportError as exc:  # torch, triton, matplotlib or tqdm are optional extras
+        print(
+            f"dflash-rs simulate needs the 'sim' extra ({exc.name} is missing): "
+            "pip install 'dflash-rs[sim]'",
+            file=sys.stderr,
+        )
+        return 2
 
     try:
         config = config_from_args(args)
