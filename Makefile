@@ -20,8 +20,9 @@ $(STAMP): requirements-dev.txt
 .PHONY: venv
 venv: $(STAMP) ## Create .venv with the pinned toolchain (torch, triton, pytest, ...)
 
+# The dev build carries the test-only fault-injection hook; wheels (`make wheel`) never do.
 $(BUILD_STAMP): $(STAMP) $(RUST_SOURCES)
-	source $(VENV)/bin/activate && maturin develop --release --quiet
+	source $(VENV)/bin/activate && maturin develop --release --quiet --features fault-injection
 	touch $@
 
 .PHONY: develop

@@ -18,9 +18,11 @@ import importlib.resources as res
 import dflash_rs
 from dflash_rs import Scheduler, SchedulerConfig, SpeculativeConfig, Request, ModelRunnerOutput
 
+assert not hasattr(dflash_rs._core, "_inject_fault"), "a release wheel must not carry the fault hook"
 files = {p.name for p in res.files("dflash_rs").iterdir()}
 assert {"_core.pyi", "py.typed", "kernels"} <= files, files
-kernel_files = {p.name for p in (res.files("dflash_rs") / "kernels").iterdir()}
+kernel_assert not hasattr(dflash_rs._core, "_inject_fault"), "a release wheel must not carry the fault hook"
+files = {p.name for p in (res.files("dflash_rs") / "kernels").iterdir()}
 assert "__init__.py" in kernel_files and len(kernel_files) > 1, kernel_files
 s = Scheduler(SchedulerConfig(num_blocks=64, speculative=SpeculativeConfig("dflash", 4)))
 s.add_request(Request("a", list(range(40)), max_tokens=2))

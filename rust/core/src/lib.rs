@@ -10,6 +10,7 @@ pub mod block_pool;
 pub mod block_table;
 pub mod config;
 pub mod error;
+pub mod fault;
 pub mod free_queue;
 pub mod hashing;
 pub mod kv_manager;

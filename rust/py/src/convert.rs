@@ -1,7 +1,9 @@
 //! Argument conversion with clear errors: token id sequences and non-negative counts.
 
 use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
+use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
+use pyo3::types::PyBool;
 
 use crate::errors::invalid;
 
@@ -82,13 +84,54 @@ pub fn token_ids(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
         .collect()
 }
 
+/// A Python int argument (a count, a length, a block id). Unlike a plain `i64` it rejects
+/// `bool` and reports values beyond 64 bits as `InvalidArgumentError` rather than the builtin
+/// `OverflowError`, so every bad number raises the same typed error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Int(pub i64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Int {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        int_named(&obj, "an int argument").map(Int)
+    }
+}
+
+/// Extracts a Python int named `what` for messages (see [`Int`]).
+pub fn int_named(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
+    let py = obj.py();
+    if obj.is_instance_of::<PyBool>() {
+        return Err(invalid(
+            py,
+            format!("{what} must be an int, got the bool {obj}"),
+        ));
+    }
+    match obj.extract::<i64>() {
+        Ok(v) => Ok(v),
+        Err(e) if e.is_instance_of::<PyOverflowError>(py) => Err(invalid(
+            py,
+            format!("{what} = {obj} is out of range: integers must lie in [-2**63, 2**63 - 1]"),
+        )),
+        Err(e) => Err(e),
+    }
+}
+
+impl From<Int> for i64 {
+    fn from(v: Int) -> i64 {
+        v.0
+    }
+}
+
 /// A count that must be >= 0.
-pub fn non_negative(py: Python<'_>, what: &str, value: i64) -> PyResult<usize> {
+pub fn non_negative(py: Python<'_>, what: &str, value: impl Into<i64>) -> PyResult<usize> {
+    let value: i64 = value.into();
     usize::try_from(value).map_err(|_| invalid(py, format!("{what} must be >= 0, got {value}")))
 }
 
 /// A count that must be >= 1.
-pub fn positive(py: Python<'_>, what: &str, value: i64) -> PyResult<usize> {
+pub fn positive(py: Python<'_>, what: &str, value: impl Into<i64>) -> PyResult<usize> {
+    let value: i64 = value.into();
     match usize::try_from(value) {
         Ok(v) if v > 0 => Ok(v),
         _ => Err(invalid(py, format!("{what} must be >= 1, got {value}"))),

@@ -8,7 +8,7 @@ use hashbrown::HashMap;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::convert::{non_negative, positive};
+use crate::convert::{non_negative, positive, Int};
 use crate::errors::{invalid, to_py, IntoPyResult};
 use crate::hash_config::make_hasher;
 
@@ -52,9 +52,9 @@ impl PyKvCacheManager {
     #[pyo3(signature = (num_blocks, block_size, max_model_len, enable_prefix_caching=true, hash_algo="sha256", hash_seed=None))]
     fn new(
         py: Python<'_>,
-        num_blocks: i64,
-        block_size: i64,
-        max_model_len: i64,
+        num_blocks: Int,
+        block_size: Int,
+        max_model_len: Int,
         enable_prefix_caching: bool,
         hash_algo: &str,
         hash_seed: Option<&Bound<'_, PyAny>>,
@@ -173,22 +173,22 @@ impl PyKvCacheManager {
 
     /// Allocates slots for `num_new_tokens` (+ lookahead); returns the new block ids, or None if
     /// the pool cannot serve it (then nothing changed).
-    #[pyo3(signature = (request_id, num_new_tokens, *, num_computed_tokens, num_new_computed_tokens=0, new_computed_blocks=Vec::new(), num_lookahead_tokens=0, full_sequence_must_fit=false))]
+    #[pyo3(signature = (request_id, num_new_tokens, *, num_computed_tokens, num_new_computed_tokens=Int(0), new_computed_blocks=Vec::new(), num_lookahead_tokens=Int(0), full_sequence_must_fit=false), text_signature = "(self, request_id, num_new_tokens, *, num_computed_tokens, num_new_computed_tokens=0, new_computed_blocks=..., num_lookahead_tokens=0, full_sequence_must_fit=False)")]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots(
         &mut self,
         py: Python<'_>,
         request_id: &str,
-        num_new_tokens: i64,
-        num_computed_tokens: i64,
-        num_new_computed_tokens: i64,
-        new_computed_blocks: Vec<i64>,
-        num_lookahead_tokens: i64,
+        num_new_tokens: Int,
+        num_computed_tokens: Int,
+        num_new_computed_tokens: Int,
+        new_computed_blocks: Vec<Int>,
+        num_lookahead_tokens: Int,
         full_sequence_must_fit: bool,
     ) -> PyResult<Option<Vec<u32>>> {
         let hits = new_computed_blocks
             .iter()
-            .map(|&b| {
+            .map(|&Int(b)| {
                 u32::try_from(b).map_err(|_| {
                     invalid(py, format!("invalid block id {b} in new_computed_blocks"))
                 })
@@ -288,8 +288,8 @@ impl PyKvCacheManager {
     }
 
     /// Ref count of a block.
-    fn ref_count(&self, py: Python<'_>, block_id: i64) -> PyResult<u32> {
-        let b = self.checked_block(py, block_id)?;
+    fn ref_count(&self, py: Python<'_>, block_id: Int) -> PyResult<u32> {
+        let b = self.checked_block(py, block_id.0)?;
         Ok(self.inner.pool().ref_count(b))
     }
 
@@ -297,9 +297,9 @@ impl PyKvCacheManager {
     fn block_hash<'py>(
         &self,
         py: Python<'py>,
-        block_id: i64,
+        block_id: Int,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let b = self.checked_block(py, block_id)?;
+        let b = self.checked_block(py, block_id.0)?;
         Ok(self.inner.pool().block_hash(b).map(|h| PyBytes::new(py, h)))
     }
 

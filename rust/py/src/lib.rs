@@ -3,6 +3,7 @@
 
 mod convert;
 mod errors;
+mod guarded;
 mod hash_config;
 mod kv_cache_manager;
 mod outputs;
@@ -21,5 +22,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<outputs::PyNewRequestData>()?;
     m.add_class::<outputs::PyCachedRequestData>()?;
     m.add_class::<outputs::PyRequestOutput>()?;
+    // Test-only and private: set as an attribute so it stays out of `__all__`.
+    #[cfg(feature = "fault-injection")]
+    m.setattr(
+        "_inject_fault",
+        wrap_pyfunction!(scheduler::inject_fault, m)?,
+    )?;
     Ok(())
 }

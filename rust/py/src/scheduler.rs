@@ -10,21 +10,22 @@ use pyo3::types::{PyDict, PyList, PySet, PyString};
 
 use crate::convert::token_ids;
 use crate::errors::{invalid, to_py, IntoPyResult};
+use crate::guarded::Guarded;
 use crate::outputs::{LazyParts, PyNewRequestData, PyRequestOutput, PySchedulerOutput};
 use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec};
 
-/// The error for a call made while another thread is inside this scheduler.
-fn in_use(py: Python<'_>) -> PyErr {
-    crate::errors::py_error(
-        py,
-        "SchedulerStateError",
-        "the Scheduler is in use by another thread; serialize calls on one Scheduler".to_owned(),
-    )
+/// Continuous-batching scheduler with DFlash-safe lookahead allocation.
+///
+/// Safe to share between Python threads: calls are serialised by an internal lock (see
+/// [`Guarded`]), and the GIL is released around the O(batch) work.
+#[pyclass(module = "dflash_rs._core", name = "Scheduler", frozen)]
+pub struct PyScheduler {
+    state: Guarded<State>,
+    config: Py<PyAny>,
 }
 
-/// Continuous-batching scheduler with DFlash-safe lookahead allocation.
-#[pyclass(module = "dflash_rs._core", name = "Scheduler")]
-pub struct PyScheduler {
+/// The scheduler's mutable state, behind the lock.
+struct State {
     inner: Scheduler,
     /// Interned request id per slot.
     ids: Vec<Option<Py<PyString>>>,
@@ -32,10 +33,9 @@ pub struct PyScheduler {
     num_interned: usize,
     step: StepOutput,
     update: UpdateOutput,
-    config: Py<PyAny>,
 }
 
-impl PyScheduler {
+impl State {
     fn intern_id(&mut self, py: Python<'_>, slot: u32, id: &str) {
         let s = slot as usize;
         if self.ids.len() <= s {
@@ -75,9 +75,9 @@ impl PyScheduler {
         }
     }
 
-    fn build_output(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
+    fn build_output(&self, slf: &Bound<'_, PyScheduler>) -> PyResult<PySchedulerOutput> {
         let py = slf.py();
-        let this = slf.try_borrow().map_err(|_| in_use(py))?;
+        let this = self;
         let step = &this.step;
         let n = step.num_reqs();
         let table = this.inner.block_table();
@@ -235,112 +235,17 @@ impl PyScheduler {
         Ok(())
     }
 
-    fn apply_draft_dict(&mut self, py: Python<'_>, drafts: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let dict = drafts
-            .cast::<PyDict>()
-            .map_err(|_| invalid(py, "draft token ids must be a dict[str, list[int]]"))?;
-        let mut parsed: Vec<(String, Vec<u32>)> = Vec::with_capacity(dict.len());
-        for (k, v) in dict.iter() {
-            let id: String = k
-                .extract()
-                .map_err(|_| invalid(py, "draft token ids must be keyed by request id (str)"))?;
-            let tokens = token_ids(&v, &format!("draft_token_ids[{id:?}]"))?;
-            parsed.push((id, tokens));
-        }
-        Ok(self
+    /// A live request by id.
+    fn live(&self, py: Python<'_>, request_id: &str) -> PyResult<&dflash_core::request::Request> {
+        let slot = self
             .inner
-            .update_draft_token_ids(parsed.iter().map(|(id, t)| (id.as_str(), t.as_slice()))))
-    }
-}
-
-#[pymethods]
-impl PyScheduler {
-    #[new]
-    fn new(py: Python<'_>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let core_config = config_from_py(config)?;
-        let inner = Scheduler::new(core_config).py(py)?;
-        Ok(Self {
-            inner,
-            ids: Vec::new(),
-            num_interned: 0,
-            step: StepOutput::default(),
-            update: UpdateOutput::default(),
-            config: config.clone().unbind(),
-        })
+            .slot_of(request_id)
+            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
+        self.inner.requests().get(slot).py(py)
     }
 
-    /// The configuration this scheduler was built from.
-    #[getter]
-    fn config(&self, py: Python<'_>) -> Py<PyAny> {
-        self.config.clone_ref(py)
-    }
-
-    /// Enqueues a request (hashing its prompt blocks in Rust).
-    fn add_request(&mut self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
-        let spec = request_spec(request)?;
-        let id = spec.request_id.clone();
-        let slot = py.detach(|| self.inner.add_request(spec)).py(py)?;
-        self.intern_id(py, slot, &id);
-        Ok(())
-    }
-
-    /// Plans one step.
-    fn schedule(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
-        let py = slf.py();
-        {
-            let mut this = slf.try_borrow_mut().map_err(|_| in_use(py))?;
-            let this = &mut *this;
-            let (inner, step) = (&mut this.inner, &mut this.step);
-            py.detach(|| inner.schedule(step)).py(py)?;
-        }
-        Self::build_output(slf)
-    }
-
-    /// Applies the model's output for `output`'s step; returns one `RequestOutput` per request
-    /// that received tokens, in batch order. Drafts in `runner_output.draft_token_ids` are
-    /// installed for the next step.
-    fn update_from_output(
-        &mut self,
-        py: Python<'_>,
-        output: &Bound<'_, PySchedulerOutput>,
-        runner_output: &Bound<'_, PyAny>,
-    ) -> PyResult<Py<PyList>> {
-        let out = output.get();
-        self.check_owner(py, out)?;
-        Self::check_req_ids(py, out, &runner_output.getattr("req_ids")?)?;
-        let (tokens, counts) = Self::sampled_from_runner(py, runner_output)?;
-        let drafts = runner_output.getattr("draft_token_ids")?;
-        let draft_lists: Option<Vec<Vec<u32>>> = if drafts.is_none() {
-            None
-        } else {
-            let mut v = Vec::new();
-            for (i, item) in drafts.try_iter()?.enumerate() {
-                v.push(token_ids(&item?, &format!("draft_token_ids[{i}]"))?);
-            }
-            if v.len() != counts.len() {
-                return Err(invalid(
-                    py,
-                    format!("{} draft lists for {} requests", v.len(), counts.len()),
-                ));
-            }
-            Some(v)
-        };
-        if out.parts.slots.is_empty() {
-            // An empty step awaits no output.
-            if !tokens.is_empty() {
-                return Err(invalid(
-                    py,
-                    "sampled tokens were given for a step that scheduled nothing",
-                ));
-            }
-            return Ok(PyList::empty(py).unbind());
-        }
-        let step_id = out.step_id;
-        {
-            let (inner, update) = (&mut self.inner, &mut self.update);
-            py.detach(|| inner.update_from_output(step_id, &tokens, &counts, update))
-                .py(py)?;
-        }
+    /// One `RequestOutput` per request in the last update, in batch order.
+    fn request_outputs(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
         let list = PyList::empty(py);
         for u in &self.update.updates {
             let ro = PyRequestOutput {
@@ -363,37 +268,151 @@ impl PyScheduler {
             unsafe { pyo3::ffi::PyObject_GC_UnTrack(ro.as_ptr().cast()) };
             list.append(ro)?;
         }
-        if let Some(lists) = draft_lists {
-            let ids = out.req_ids.bind(py);
-            let mut owned = Vec::with_capacity(lists.len());
-            for id in ids.iter() {
-                owned.push(id.extract::<String>()?);
-            }
-            self.inner.update_draft_token_ids(
-                owned
-                    .iter()
-                    .map(String::as_str)
-                    .zip(lists.iter().map(Vec::as_slice)),
-            );
-        }
-        self.forget_finished();
         Ok(list.unbind())
+    }
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    fn new(py: Python<'_>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let core_config = config_from_py(config)?;
+        let inner = Scheduler::new(core_config).py(py)?;
+        let state = State {
+            inner,
+            ids: Vec::new(),
+            num_interned: 0,
+            step: StepOutput::default(),
+            update: UpdateOutput::default(),
+        };
+        Ok(Self {
+            state: Guarded::new(state, "Scheduler"),
+            config: config.clone().unbind(),
+        })
+    }
+
+    /// The configuration this scheduler was built from.
+    #[getter]
+    fn config(&self, py: Python<'_>) -> Py<PyAny> {
+        self.config.clone_ref(py)
+    }
+
+    /// Enqueues a request (hashing its prompt blocks in Rust).
+    fn add_request(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        let spec = request_spec(request)?;
+        let id = spec.request_id.clone();
+        self.state.with(py, |st| {
+            let inner = &mut st.inner;
+            let slot = py.detach(|| inner.add_request(spec)).py(py)?;
+            st.intern_id(py, slot, &id);
+            Ok(())
+        })
+    }
+
+    /// Plans one step.
+    fn schedule(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
+        let py = slf.py();
+        slf.get().state.with(py, |st| {
+            let (inner, step) = (&mut st.inner, &mut st.step);
+            py.detach(|| inner.schedule(step)).py(py)?;
+            st.build_output(slf)
+        })
+    }
+
+    /// Applies the model's output for `output`'s step; returns one `RequestOutput` per request
+    /// that received tokens, in batch order. Drafts in `runner_output.draft_token_ids` are
+    /// installed for the next step.
+    fn update_from_output(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PySchedulerOutput>,
+        runner_output: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyList>> {
+        let out = output.get();
+        let runner_ids = runner_output.getattr("req_ids").map_err(|_| {
+            invalid(
+                py,
+                "runner_output must be a ModelRunnerOutput (it has no req_ids)",
+            )
+        })?;
+        State::check_req_ids(py, out, &runner_ids)?;
+        let (tokens, counts) = State::sampled_from_runner(py, runner_output)?;
+        let drafts = runner_output.getattr("draft_token_ids")?;
+        let draft_lists: Option<Vec<Vec<u32>>> = if drafts.is_none() {
+            None
+        } else {
+            let mut v = Vec::new();
+            for (i, item) in drafts.try_iter()?.enumerate() {
+                v.push(token_ids(&item?, &format!("draft_token_ids[{i}]"))?);
+            }
+            if v.len() != counts.len() {
+                return Err(invalid(
+                    py,
+                    format!("{} draft lists for {} requests", v.len(), counts.len()),
+                ));
+            }
+            Some(v)
+        };
+        let draft_ids: Vec<String> = match draft_lists {
+            Some(_) => out
+                .req_ids
+                .bind(py)
+                .iter()
+                .map(|id| id.extract::<String>())
+                .collect::<PyResult<_>>()?,
+            None => Vec::new(),
+        };
+        self.state.with(py, |st| {
+            st.check_owner(py, out)?;
+            if out.parts.slots.is_empty() {
+                // An empty step awaits no output.
+                if !tokens.is_empty() {
+                    return Err(invalid(
+                        py,
+                        "sampled tokens were given for a step that scheduled nothing",
+                    ));
+                }
+                return Ok(PyList::empty(py).unbind());
+            }
+            let step_id = out.step_id;
+            {
+                let (inner, update) = (&mut st.inner, &mut st.update);
+                py.detach(|| inner.update_from_output(step_id, &tokens, &counts, update))
+                    .py(py)?;
+            }
+            let list = st.request_outputs(py)?;
+            if let Some(lists) = &draft_lists {
+                st.inner.update_draft_token_ids(
+                    draft_ids
+                        .iter()
+                        .map(String::as_str)
+                        .zip(lists.iter().map(Vec::as_slice)),
+                );
+            }
+            st.forget_finished();
+            Ok(list)
+        })
     }
 
     /// Installs draft tokens for the next step: `{req_id: [token, ...]}`. Unknown, finished,
     /// waiting and prefill-chunk requests are ignored. Returns how many requests took drafts.
     fn update_draft_token_ids(
-        &mut self,
+        &self,
         py: Python<'_>,
         draft_token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
-        self.apply_draft_dict(py, draft_token_ids)
+        let parsed = parse_draft_dict(py, draft_token_ids)?;
+        self.state.with(py, |st| {
+            Ok(st
+                .inner
+                .update_draft_token_ids(parsed.iter().map(|(id, t)| (id.as_str(), t.as_slice()))))
+        })
     }
 
     /// Drafts for the requests of `output`'s batch, as flat tokens + per-request counts
     /// (no Python list per request).
     fn update_draft_token_ids_from_arrays(
-        &mut self,
+        &self,
         py: Python<'_>,
         output: &Bound<'_, PySchedulerOutput>,
         draft_tokens: &Bound<'_, PyAny>,
@@ -401,18 +420,20 @@ impl PyScheduler {
     ) -> PyResult<usize> {
         let tokens = token_ids(draft_tokens, "draft_tokens")?;
         let counts = token_ids(num_draft_tokens, "num_draft_tokens")?;
-        self.check_owner(py, output.get())?;
-        let slots = &output.get().parts.slots;
-        self.inner
-            .update_draft_token_ids_for_slots(slots, &tokens, &counts)
-            .py(py)
+        let out = output.get();
+        self.state.with(py, |st| {
+            st.check_owner(py, out)?;
+            st.inner
+                .update_draft_token_ids_for_slots(&out.parts.slots, &tokens, &counts)
+                .py(py)
+        })
     }
 
     /// Finishes requests (default: aborted); unknown or finished ids are ignored. Returns the
     /// ids actually finished.
     #[pyo3(signature = (request_ids, status="abort"))]
     fn finish_requests(
-        &mut self,
+        &self,
         py: Python<'_>,
         request_ids: &Bound<'_, PyAny>,
         status: &str,
@@ -425,168 +446,211 @@ impl PyScheduler {
                 .extract()
                 .map_err(|_| invalid(py, "request_ids must be a str or an iterable of str"))?
         };
-        let done = self
-            .inner
-            .finish_requests(ids.iter().map(String::as_str), reason)
-            .py(py)?;
-        self.forget_finished();
-        Ok(done)
+        self.state.with(py, |st| {
+            let done = st
+                .inner
+                .finish_requests(ids.iter().map(String::as_str), reason)
+                .py(py)?;
+            st.forget_finished();
+            Ok(done)
+        })
     }
 
     /// Whether the id is live (waiting or running).
-    fn has_request(&self, request_id: &str) -> bool {
-        self.inner.slot_of(request_id).is_some()
+    fn has_request(&self, py: Python<'_>, request_id: &str) -> PyResult<bool> {
+        self.state
+            .with(py, |st| Ok(st.inner.slot_of(request_id).is_some()))
     }
 
-    fn has_unfinished_requests(&self) -> bool {
-        self.inner.num_unfinished() > 0
+    fn has_unfinished_requests(&self, py: Python<'_>) -> PyResult<bool> {
+        self.state.with(py, |st| Ok(st.inner.num_unfinished() > 0))
     }
 
-    fn get_num_unfinished_requests(&self) -> usize {
-        self.inner.num_unfinished()
+    fn get_num_unfinished_requests(&self, py: Python<'_>) -> PyResult<usize> {
+        self.state.with(py, |st| Ok(st.inner.num_unfinished()))
     }
 
     /// (running, waiting) counts.
-    fn get_request_counts(&self) -> (usize, usize) {
-        (self.inner.running().len(), self.inner.num_waiting())
+    fn get_request_counts(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+        self.state.with(py, |st| {
+            Ok((st.inner.running().len(), st.inner.num_waiting()))
+        })
     }
 
     /// Empties the prefix cache; False while any block is held.
-    fn reset_prefix_cache(&mut self) -> bool {
-        self.inner.reset_prefix_cache()
+    fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<bool> {
+        self.state.with(py, |st| Ok(st.inner.reset_prefix_cache()))
     }
 
     /// Blocks held by a live request.
     fn block_ids(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<u32>> {
-        let slot = self
-            .inner
-            .slot_of(request_id)
-            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
-        Ok(self
-            .inner
-            .requests()
-            .get(slot)
-            .py(py)?
-            .blocks
-            .block_ids
-            .clone())
+        self.state.with(py, |st| {
+            Ok(st.live(py, request_id)?.blocks.block_ids.clone())
+        })
     }
 
     /// Computed tokens of a live request.
     fn num_computed_tokens(&self, py: Python<'_>, request_id: &str) -> PyResult<usize> {
-        let slot = self
-            .inner
-            .slot_of(request_id)
-            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
-        Ok(self.inner.requests().get(slot).py(py)?.num_computed_tokens)
+        self.state
+            .with(py, |st| Ok(st.live(py, request_id)?.num_computed_tokens))
     }
 
     /// Known tokens (prompt + outputs) of a live request.
     fn all_token_ids(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<u32>> {
-        let slot = self
-            .inner
-            .slot_of(request_id)
-            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
-        Ok(self.inner.requests().get(slot).py(py)?.tokens.clone())
+        self.state
+            .with(py, |st| Ok(st.live(py, request_id)?.tokens.clone()))
     }
 
     /// Status of a live request: "waiting", "running" or "preempted".
     fn request_status(&self, py: Python<'_>, request_id: &str) -> PyResult<&'static str> {
-        let slot = self
-            .inner
-            .slot_of(request_id)
-            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
-        Ok(match self.inner.requests().get(slot).py(py)?.status {
-            dflash_core::RequestStatus::Waiting => "waiting",
-            dflash_core::RequestStatus::Running => "running",
-            dflash_core::RequestStatus::Preempted => "preempted",
-            dflash_core::RequestStatus::Finished(_) => "finished",
+        self.state.with(py, |st| {
+            Ok(match st.live(py, request_id)?.status {
+                dflash_core::RequestStatus::Waiting => "waiting",
+                dflash_core::RequestStatus::Running => "running",
+                dflash_core::RequestStatus::Preempted => "preempted",
+                dflash_core::RequestStatus::Finished(_) => "finished",
+            })
         })
     }
 
     /// Running request ids, in running order.
     fn running_request_ids(&self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
-        self.inner
-            .running()
-            .iter()
-            .map(|&s| self.id_of(py, s))
-            .collect()
+        self.state.with(py, |st| {
+            st.inner
+                .running()
+                .iter()
+                .map(|&s| st.id_of(py, s))
+                .collect()
+        })
     }
 
     /// Waiting request ids, in admission order.
     fn waiting_request_ids(&self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
-        self.inner
-            .waiting_in_order()
-            .iter()
-            .map(|&s| self.id_of(py, s))
-            .collect()
+        self.state.with(py, |st| {
+            st.inner
+                .waiting_in_order()
+                .iter()
+                .map(|&s| st.id_of(py, s))
+                .collect()
+        })
     }
 
     /// Lookahead slots the active policy reserves past each running request's scheduled tokens.
     #[getter]
-    fn lookahead_tokens(&self) -> usize {
-        self.inner.lookahead_tokens()
+    fn lookahead_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        self.state.with(py, |st| Ok(st.inner.lookahead_tokens()))
     }
 
     /// Lookahead the ownership contract requires for the configured method (K+1 for DFlash).
     #[getter]
-    fn required_lookahead_tokens(&self) -> usize {
-        self.inner.config().required_lookahead()
+    fn required_lookahead_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        self.state
+            .with(py, |st| Ok(st.inner.config().required_lookahead()))
     }
 
     #[getter]
-    fn kv_cache_usage(&self) -> f64 {
-        self.inner.kv().usage()
+    fn kv_cache_usage(&self, py: Python<'_>) -> PyResult<f64> {
+        self.state.with(py, |st| Ok(st.inner.kv().usage()))
     }
 
     #[getter]
-    fn num_free_blocks(&self) -> usize {
-        self.inner.kv().num_free_blocks()
+    fn num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        self.state
+            .with(py, |st| Ok(st.inner.kv().num_free_blocks()))
     }
 
     /// Counters: preemptions, prefix-cache queries/hits, speculative drafts/accepted, ...
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
-        let p = self.inner.prefix_cache_stats();
-        let d = PyDict::new(py);
-        d.set_item("num_steps", s.num_steps)?;
-        d.set_item("num_preemptions", s.num_preemptions)?;
-        d.set_item("num_finished", s.num_finished)?;
-        d.set_item("num_running", self.inner.running().len())?;
-        d.set_item("num_waiting", self.inner.num_waiting())?;
-        d.set_item("kv_cache_usage", self.inner.kv().usage())?;
-        d.set_item("num_free_blocks", self.inner.kv().num_free_blocks())?;
-        d.set_item("prefix_cache_requests", p.requests)?;
-        d.set_item("prefix_cache_queries", p.queries)?;
-        d.set_item("prefix_cache_hits", p.hits)?;
-        d.set_item("spec_num_drafts", s.num_drafts)?;
-        d.set_item("spec_num_draft_tokens", s.num_draft_tokens)?;
-        d.set_item("spec_num_accepted_tokens", s.num_accepted_tokens)?;
-        d.set_item(
-            "spec_num_accepted_tokens_per_pos",
-            s.num_accepted_tokens_per_pos.clone(),
-        )?;
-        d.set_item("lookahead_tokens", self.inner.lookahead_tokens())?;
-        Ok(d)
+        self.state.with(py, |st| {
+            let inner = &st.inner;
+            let s = inner.stats();
+            let p = inner.prefix_cache_stats();
+            let d = PyDict::new(py);
+            d.set_item("num_steps", s.num_steps)?;
+            d.set_item("num_preemptions", s.num_preemptions)?;
+            d.set_item("num_finished", s.num_finished)?;
+            d.set_item("num_running", inner.running().len())?;
+            d.set_item("num_waiting", inner.num_waiting())?;
+            d.set_item("kv_cache_usage", inner.kv().usage())?;
+            d.set_item("num_free_blocks", inner.kv().num_free_blocks())?;
+            d.set_item("prefix_cache_requests", p.requests)?;
+            d.set_item("prefix_cache_queries", p.queries)?;
+            d.set_item("prefix_cache_hits", p.hits)?;
+            d.set_item("spec_num_drafts", s.num_drafts)?;
+            d.set_item("spec_num_draft_tokens", s.num_draft_tokens)?;
+            d.set_item("spec_num_accepted_tokens", s.num_accepted_tokens)?;
+            d.set_item(
+                "spec_num_accepted_tokens_per_pos",
+                s.num_accepted_tokens_per_pos.clone(),
+            )?;
+            d.set_item("lookahead_tokens", inner.lookahead_tokens())?;
+            Ok(d)
+        })
     }
 
     /// Raises `InvariantError` if any invariant (pool accounting, ref counts, queues, block-table
     /// rows, the lookahead ownership contract) is broken.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner.check_invariants().py(py)
+        self.state.with(py, |st| st.inner.check_invariants().py(py))
     }
 
-    fn __repr__(&self) -> String {
-        let c = self.inner.config();
-        format!(
-            "Scheduler(num_blocks={}, block_size={}, method={}, K={}, lookahead={}, running={}, waiting={})",
-            c.num_blocks,
-            c.block_size,
-            c.spec_method.name(),
-            c.num_speculative_tokens,
-            self.inner.lookahead_tokens(),
-            self.inner.running().len(),
-            self.inner.num_waiting()
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        self.state.with(py, |st| {
+            let inner = &st.inner;
+            let c = inner.config();
+            Ok(format!(
+                "Scheduler(num_blocks={}, block_size={}, method={}, K={}, lookahead={}, running={}, waiting={})",
+                c.num_blocks,
+                c.block_size,
+                c.spec_method.name(),
+                c.num_speculative_tokens,
+                inner.lookahead_tokens(),
+                inner.running().len(),
+                inner.num_waiting()
+            ))
+        })
     }
+}
+
+/// Parses `{req_id: [token, ...]}`.
+fn parse_draft_dict(
+    py: Python<'_>,
+    drafts: &Bound<'_, PyAny>,
+) -> PyResult<Vec<(String, Vec<u32>)>> {
+    let dict = drafts
+        .cast::<PyDict>()
+        .map_err(|_| invalid(py, "draft token ids must be a dict[str, list[int]]"))?;
+    let mut parsed: Vec<(String, Vec<u32>)> = Vec::with_capacity(dict.len());
+    for (k, v) in dict.iter() {
+        let id: String = k
+            .extract()
+            .map_err(|_| invalid(py, "draft token ids must be keyed by request id (str)"))?;
+        let tokens = token_ids(&v, &format!("draft_token_ids[{id:?}]"))?;
+        parsed.push((id, tokens));
+    }
+    Ok(parsed)
+}
+
+/// Arms a core fault point to fail once: `kind` is "error" (an internal error) or "panic".
+/// Test-only: present when built with the `fault-injection` feature (`make develop`).
+#[cfg(feature = "fault-injection")]
+#[pyfunction]
+#[pyo3(name = "_inject_fault", signature = (point, kind="error"))]
+pub fn inject_fault(py: Python<'_>, point: &str, kind: &str) -> PyResult<()> {
+    use dflash_core::fault::{arm, disarm, FaultKind};
+    let kind = match kind {
+        "error" => FaultKind::Error,
+        "panic" => FaultKind::Panic,
+        "off" => {
+            disarm();
+            return Ok(());
+        }
+        other => {
+            return Err(invalid(
+                py,
+                format!("fault kind must be \"error\", \"panic\" or \"off\", got {other:?}"),
+            ))
+        }
+    };
+    arm(point, kind).py(py)
 }

@@ -4,7 +4,7 @@ use dflash_core::lookahead::{LookaheadPolicy, SpecMethod};
 use dflash_core::{ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec, SchedulerConfig};
 use pyo3::prelude::*;
 
-use crate::convert::{non_negative, token_ids};
+use crate::convert::{int_named, non_negative, token_ids, Int};
 use crate::errors::{invalid, IntoPyResult};
 
 fn attr<'py, T: FromPyObjectOwned<'py>>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<T> {
@@ -17,8 +17,19 @@ fn attr<'py, T: FromPyObjectOwned<'py>>(obj: &Bound<'py, PyAny>, name: &str) -> 
 
 pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
     let py = config.py();
-    let count =
-        |name: &str| -> PyResult<usize> { non_negative(py, name, attr::<i64>(config, name)?) };
+    let count = |name: &str| -> PyResult<usize> {
+        let value = config
+            .getattr(name)
+            .map_err(|_| invalid(py, format!("config has no attribute {name:?}")))?;
+        let value = int_named(&value, &format!("config.{name}")).map_err(|e| {
+            if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) {
+                invalid(py, format!("config.{name} has the wrong type"))
+            } else {
+                e
+            }
+        })?;
+        non_negative(py, name, value)
+    };
     let mut c = SchedulerConfig::new(
         count("num_blocks")?,
         count("block_size")?,
@@ -39,7 +50,7 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         c.num_speculative_tokens = non_negative(
             py,
             "num_speculative_tokens",
-            attr(&speculative, "num_speculative_tokens")?,
+            attr::<Int>(&speculative, "num_speculative_tokens")?,
         )?;
     }
     let seed: Option<Bound<'_, PyAny>> = config.getattr("hash_seed").ok().filter(|s| !s.is_none());
@@ -61,8 +72,8 @@ pub fn finish_reason_from_name(py: Python<'_>, name: &str) -> PyResult<FinishRea
     }
 }
 
-fn opt_token(py: Python<'_>, what: &str, v: Option<i64>) -> PyResult<Option<u32>> {
-    v.map(|t| {
+fn opt_token(py: Python<'_>, what: &str, v: Option<Int>) -> PyResult<Option<u32>> {
+    v.map(|Int(t)| {
         u32::try_from(t)
             .ok()
             .filter(|&t| t <= i32::MAX as u32)
@@ -81,8 +92,8 @@ pub fn request_spec(req: &Bound<'_, PyAny>) -> PyResult<RequestSpec> {
         .extract()
         .map_err(|_| invalid(py, "request_id must be a str"))?;
     let prompt = token_ids(&get("prompt_token_ids")?, "prompt_token_ids")?;
-    let max_tokens: i64 = get("max_tokens")?.extract()?;
-    let min_tokens: i64 = get("min_tokens")?.extract()?;
+    let max_tokens = int_named(&get("max_tokens")?, "max_tokens")?;
+    let min_tokens = int_named(&get("min_tokens")?, "min_tokens")?;
     let stop = token_ids(&get("stop_token_ids")?, "stop_token_ids")?;
     let arrival = get("arrival_time")?;
     let arrival_time: f64 = if arrival.is_none() {
@@ -94,11 +105,17 @@ pub fn request_spec(req: &Bound<'_, PyAny>) -> PyResult<RequestSpec> {
         request_id,
         prompt_token_ids: prompt,
         max_tokens: non_negative(py, "max_tokens", max_tokens)?,
-        eos_token_id: opt_token(py, "eos_token_id", get("eos_token_id")?.extract()?)?,
+        eos_token_id: {
+            let eos = get("eos_token_id")?;
+            let eos = (!eos.is_none())
+                .then(|| int_named(&eos, "eos_token_id").map(Int))
+                .transpose()?;
+            opt_token(py, "eos_token_id", eos)?
+        },
         stop_token_ids: stop,
         ignore_eos: get("ignore_eos")?.extract()?,
         min_tokens: non_negative(py, "min_tokens", min_tokens)?,
-        priority: get("priority")?.extract()?,
+        priority: int_named(&get("priority")?, "priority")?,
         arrival_time,
         extra: ExtraKeys {
             lora_name: get("lora_name")?.extract()?,

@@ -231,6 +231,7 @@ impl Scheduler {
 
     /// Validates and enqueues a request; returns its slot.
     pub fn add_request(&mut self, spec: RequestSpec) -> CoreResult<u32> {
+        crate::fault::hit("add_request.begin")?;
         if spec.request_id.is_empty() {
             return Err(invalid!("request_id must be a non-empty string"));
         }
@@ -343,6 +344,7 @@ impl Scheduler {
 
     /// Plans one step into `out`.
     pub fn schedule(&mut self, out: &mut StepOutput) -> CoreResult<()> {
+        crate::fault::hit("schedule.begin")?;
         out.clear();
         self.scratch.ensure(self.store_capacity());
         let mut budget = self.config.max_num_batched_tokens;
@@ -350,6 +352,7 @@ impl Scheduler {
         let mut preempted_any = false;
 
         self.schedule_running(&mut budget, &mut scheduled_order, &mut preempted_any, out)?;
+        crate::fault::hit("schedule.after_running")?;
         if !preempted_any {
             self.schedule_waiting(&mut budget, &mut scheduled_order)?;
         }

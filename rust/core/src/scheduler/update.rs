@@ -16,6 +16,7 @@ impl Scheduler {
         counts: &[u32],
         out: &mut UpdateOutput,
     ) -> CoreResult<()> {
+        crate::fault::hit("update.begin")?;
         out.updates.clear();
         out.new_token_ids.clear();
         if counts.is_empty()

@@ -1,0 +1,105 @@
+//! A lock around a pyclass's mutable state that makes it safe to share between Python threads.
+//!
+//! Calls from several threads are serialised: a thread that finds the state busy waits with the
+//! GIL released, so the holder can reacquire it. A re-entrant call from the thread that already
+//! holds the state (Python code run during a call, calling back in) is refused with
+//! `SchedulerStateError` instead of deadlocking. A panic inside a call becomes an
+//! `InvariantError`; the object then refuses every later call, since its state may be half
+//! updated. No panic reaches the interpreter and nothing aborts the process.
+
+use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
+
+use crate::errors::py_error;
+
+static NEXT_THREAD_TOKEN: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    static THREAD_TOKEN: u64 = NEXT_THREAD_TOKEN.fetch_add(1, Ordering::Relaxed);
+}
+
+/// State `T` behind a mutex, entered only through [`Guarded::with`].
+pub struct Guarded<T> {
+    state: Mutex<T>,
+    /// Token of the thread inside `with`, 0 when none.
+    holder: AtomicU64,
+    /// The panic message, once a call panicked.
+    failure: OnceLock<String>,
+    /// What the state belongs to, for messages ("Scheduler").
+    owner: &'static str,
+}
+
+impl<T> Guarded<T> {
+    pub fn new(state: T, owner: &'static str) -> Self {
+        Self {
+            state: Mutex::new(state),
+            holder: AtomicU64::new(0),
+            failure: OnceLock::new(),
+            owner,
+        }
+    }
+
+    /// Runs `f` on the state, holding it exclusively.
+    pub fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&mut T) -> PyResult<R>) -> PyResult<R> {
+        let owner = self.owner;
+        if let Some(msg) = self.failure.get() {
+            return Err(state_error(
+                py,
+                format!(
+                    "this {owner} stopped after an internal error and refuses further calls: {msg}"
+                ),
+            ));
+        }
+        let me = THREAD_TOKEN.with(|t| *t);
+        if self.holder.load(Ordering::Acquire) == me {
+            return Err(state_error(
+                py,
+                format!("re-entrant call: this thread is already inside a {owner} method"),
+            ));
+        }
+        // A poisoned mutex cannot occur (panics are caught below, before the guard drops), but
+        // if it ever did, the failure flag explains it; take the state as it is.
+        let mut guard = self
+            .state
+            .lock_py_attached(py)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.holder.store(me, Ordering::Release);
+        let result = catch_unwind(AssertUnwindSafe(|| f(&mut guard)));
+        self.holder.store(0, Ordering::Release);
+        drop(guard);
+        match result {
+            Ok(r) => r,
+            Err(payload) => {
+                let msg = panic_message(payload.as_ref());
+                let _ = self.failure.set(msg.clone());
+                Err(py_error(
+                    py,
+                    "InvariantError",
+                    format!(
+                        "internal error in {owner} (a bug in dflash-rs; please report it): {msg}. \
+                         This {owner} refuses further calls."
+                    ),
+                ))
+            }
+        }
+    }
+}
+
+fn state_error(py: Python<'_>, message: String) -> PyErr {
+    py_error(py, "SchedulerStateError", message)
+}
+
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic with a non-string payload".to_owned()
+    }
+}
