@@ -5,6 +5,7 @@
 //! (stable), so rows `[0, num_scheduled)` are the batch in order.
 
 use crate::block_table::BlockTable;
+use crate::error::{CoreError, CoreResult};
 use crate::request_store::RequestStore;
 
 /// Row owners and the block table they index.
@@ -17,11 +18,13 @@ pub struct BatchRows {
 
 impl BatchRows {
     /// Rows for up to `max_rows` running requests, `width` blocks each.
-    pub fn new(max_rows: usize, width: usize) -> Self {
-        Self {
-            owners: Vec::with_capacity(max_rows),
-            table: BlockTable::new(max_rows, width),
-        }
+    pub fn new(max_rows: usize, width: usize) -> CoreResult<Self> {
+        let table = BlockTable::new(max_rows, width)?;
+        let mut owners = Vec::new();
+        owners.try_reserve_exact(max_rows).map_err(|_| {
+            CoreError::InvalidArgument(format!("cannot allocate {max_rows} block-table rows"))
+        })?;
+        Ok(Self { owners, table })
     }
 
     /// The block table.

@@ -5,6 +5,8 @@
 //! row's count always hold 0 (the null block), never a stale id of an earlier occupant. The
 //! buffers never move, so they can be exposed to Python without copying.
 
+use crate::error::{try_filled_vec, CoreError, CoreResult};
+
 /// Row-major `[num_rows, width]` int32 table with per-row counts.
 #[derive(Debug, Clone)]
 pub struct BlockTable {
@@ -15,12 +17,18 @@ pub struct BlockTable {
 
 impl BlockTable {
     /// A zeroed table.
-    pub fn new(num_rows: usize, width: usize) -> Self {
-        Self {
-            table: vec![0; num_rows * width].into_boxed_slice(),
-            counts: vec![0; num_rows].into_boxed_slice(),
+    pub fn new(num_rows: usize, width: usize) -> CoreResult<Self> {
+        let len = num_rows.checked_mul(width).ok_or_else(|| {
+            CoreError::InvalidArgument(format!(
+                "a block table of {num_rows} x {width} entries does not fit in memory"
+            ))
+        })?;
+        Ok(Self {
+            table: try_filled_vec(len, 0, "block table").map(Vec::into_boxed_slice)?,
+            counts: try_filled_vec(num_rows, 0, "block table row counts")
+                .map(Vec::into_boxed_slice)?,
             width,
-        }
+        })
     }
 
     /// Columns per row.
@@ -110,7 +118,7 @@ mod tests {
 
     #[test]
     fn append_move_clear_leave_no_stale_ids() {
-        let mut t = BlockTable::new(3, 4);
+        let mut t = BlockTable::new(3, 4).unwrap();
         t.append(0, &[5, 6]);
         t.append(1, &[7]);
         t.append(0, &[8]);

@@ -132,7 +132,7 @@ impl Scheduler {
         let hasher = config
             .enable_prefix_caching
             .then(|| BlockHasher::new(config.hash_algo, config.block_size, &config.hash_seed));
-        let rows = BatchRows::new(config.max_num_seqs, config.block_table_width());
+        let rows = BatchRows::new(config.max_num_seqs, config.block_table_width())?;
         let stats = SchedulerStats {
             num_accepted_tokens_per_pos: vec![0; config.num_speculative_tokens],
             ..Default::default()
