@@ -41,10 +41,11 @@ test: develop lint test-rust test-python wheel-check ## Run the whole test suite
 
 .PHONY: test-rust
 test-rust: ## cargo test of the core and bindings
-	cargo test --workspace --profile ci
+	cargo test --workspace --profile ci --features dflash-py/fault-injection
 
 .PHONY: lint
 lint: develop ## clippy -D warnings, cargo fmt --check, ruff, stub check (mypy.stubtest)
+	cargo clippy --workspace --all-targets --profile ci --features dflash-py/fault-injection -- -D warnings
 	cargo clippy --workspace --all-targets --profile ci -- -D warnings
 	cargo fmt --all --check
 	$(VENV)/bin/ruff check python tests benches

@@ -29,6 +29,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hash_algo: str = "sha256",
         hash_seed: Union[str, bytes, int, None] = None,
+        verify_prefix_hits: bool = True,
     ) -> KVCacheManager: ...
     def add_request(
         self,

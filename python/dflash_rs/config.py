@@ -18,11 +18,21 @@ _LOOKAHEAD_POLICIES = ("correct", "legacy-first-prefill", "legacy-k")
 _HASH_ALGOS = ("sha256", "blake3", "xxh3_128")
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+    if value > _INT64_MAX:
+        raise InvalidArgumentError(f"{name} must be <= 2**63 - 1, got {value}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,8 @@ class SchedulerConfig:
 
     ``lookahead_policy`` exists for tests only: the legacy values reproduce lookahead bugs that
     real engines shipped (no lookahead on first prefill; K instead of K+1 for DFlash).
+    ``verify_prefix_hits=False`` is a test switch too: it trusts a prefix-cache hit on its block
+    hash alone, as vLLM does, instead of checking the block's tokens and prefix.
     """
 
     num_blocks: int
@@ -64,6 +76,7 @@ class SchedulerConfig:
     hash_algo: str = "sha256"
     hash_seed: Optional[str] = None
     lookahead_policy: str = "correct"
+    verify_prefix_hits: bool = True
 
     def __post_init__(self) -> None:
         _check_int("num_blocks", self.num_blocks, 2)
@@ -72,6 +85,9 @@ class SchedulerConfig:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        _check_bool("verify_prefix_hits", self.verify_prefix_hits)
         if self.policy not in _POLICIES:
             raise InvalidArgumentError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.hash_algo not in _HASH_ALGOS:

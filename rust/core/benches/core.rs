@@ -82,9 +82,11 @@ fn kv_manager<M: Measurement>(c: &mut Criterion<M>) {
     let mut group = c.benchmark_group("kv_manager");
     let tokens = prompt(0, PROMPT_TOKENS);
     let hashes = hashes_of(&tokens);
+    let no_extra = ExtraKeys::default();
     let view = SequenceView {
-        num_tokens: PROMPT_TOKENS,
+        tokens: &tokens,
         block_hashes: &hashes,
+        extra: &no_extra,
     };
     let whole_prompt = AllocateArgs {
         num_new_tokens: PROMPT_TOKENS,
@@ -96,8 +98,9 @@ fn kv_manager<M: Measurement>(c: &mut Criterion<M>) {
         KvCacheManager::new(POOL_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN, false).expect("valid");
     let mut req = RequestBlocks::default();
     let no_hashes = SequenceView {
-        num_tokens: PROMPT_TOKENS,
+        tokens: &tokens,
         block_hashes: &[],
+        extra: &no_extra,
     };
     group.bench_function("allocate_slots(256)+free, caching off", |b| {
         b.iter(|| {
@@ -142,15 +145,17 @@ fn kv_manager<M: Measurement>(c: &mut Criterion<M>) {
     // Caching on, 4x the pool's capacity of distinct prompts cycled: every lookup misses, every
     // allocation evicts 16 LRU cached blocks and caches 16 new hashes (precomputed here).
     let num_prompts = 4 * POOL_BLOCKS / PROMPT_BLOCKS;
-    let prompts: Vec<Vec<BlockHash>> = (1..=num_prompts as u64)
-        .map(|i| hashes_of(&prompt(i, PROMPT_TOKENS)))
+    let prompt_tokens: Vec<Vec<u32>> = (1..=num_prompts as u64)
+        .map(|i| prompt(i, PROMPT_TOKENS))
         .collect();
+    let prompts: Vec<Vec<BlockHash>> = prompt_tokens.iter().map(|t| hashes_of(t)).collect();
     let mut mgr = KvCacheManager::new(POOL_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN, true).expect("valid");
     let mut next = 0;
     let mut cycle = |mgr: &mut KvCacheManager, hits: &mut Vec<u32>| {
         let view = SequenceView {
-            num_tokens: PROMPT_TOKENS,
+            tokens: &prompt_tokens[next],
             block_hashes: &prompts[next],
+            extra: &no_extra,
         };
         next = (next + 1) % num_prompts;
         let hit_tokens = mgr.get_computed_blocks(view, hits);

@@ -7,7 +7,9 @@
 use crate::error::{broken, invalid, try_filled_vec, CoreError, CoreResult};
 use crate::free_queue::FreeQueue;
 use crate::hashing::BlockHash;
+use crate::hashing::ExtraKeys;
 use crate::prefix_map::PrefixMap;
+use crate::provenance::{Fingerprint, Provenance};
 
 /// The reserved null block.
 pub const NULL_BLOCK: u32 = 0;
@@ -21,8 +23,24 @@ pub struct BlockPool {
     free: FreeQueue,
     prefix: PrefixMap,
     enable_caching: bool,
+    /// What cached blocks hold, to verify hits (None: hits are trusted on their hash alone).
+    provenance: Option<Provenance>,
     /// Reused buffer of `free_blocks`.
     scratch: Vec<u32>,
+}
+
+/// Where blocks being cached came from: the request's tokens, the logical index of the first
+/// block, the request's block before it (`NULL_BLOCK` if none) and the request's extra keys.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockSource<'a> {
+    /// The request's tokens, at least up to the end of the last block being cached.
+    pub tokens: &'a [u32],
+    /// Logical index of the first block being cached.
+    pub first: usize,
+    /// The request's block before the first one.
+    pub parent: u32,
+    /// The request's extra keys.
+    pub extra: &'a ExtraKeys,
 }
 
 impl BlockPool {
@@ -42,8 +60,30 @@ impl BlockPool {
             free: FreeQueue::try_new(num_blocks, 1..num_blocks as u32)?,
             prefix: PrefixMap::try_with_capacity(if enable_caching { num_blocks } else { 0 })?,
             enable_caching,
+            provenance: None,
             scratch: Vec::new(),
         })
+    }
+
+    /// Turns verification of prefix-cache hits on (blocks of `block_size` tokens) or off. Only
+    /// while nothing is cached; verification is what keeps a hash collision from sharing KV
+    /// across prefixes or tenants (see [`crate::provenance`]).
+    pub fn set_verify_hits(&mut self, block_size: Option<usize>) -> CoreResult<()> {
+        if self.prefix.num_blocks() != 0 {
+            return Err(invalid!(
+                "hit verification can only change while the prefix cache is empty"
+            ));
+        }
+        self.provenance = match block_size {
+            Some(bs) if self.enable_caching => Some(Provenance::try_new(self.num_blocks(), bs)?),
+            _ => None,
+        };
+        Ok(())
+    }
+
+    /// Whether prefix-cache hits are verified against the tokens they were cached with.
+    pub fn verifies_hits(&self) -> bool {
+        self.provenance.is_some()
     }
 
     /// Total blocks including the null block.
@@ -97,6 +137,55 @@ impl BlockPool {
             return None;
         }
         self.prefix.get_one(hash)
+    }
+
+    /// The fingerprint of a prefix ending with a block of `tokens` (see
+    /// [`crate::provenance`]), or None when hits are not verified.
+    pub fn prefix_fingerprint(
+        &self,
+        parent: Option<Fingerprint>,
+        tokens: &[u32],
+        extra: &ExtraKeys,
+    ) -> Option<Fingerprint> {
+        self.provenance
+            .as_ref()
+            .map(|p| p.chain(parent, tokens, extra))
+    }
+
+    /// The first block cached under `hash` that holds `tokens` at the end of the prefix
+    /// `fingerprint` (from [`Self::prefix_fingerprint`]; None: the first block under `hash`).
+    pub fn find_cached_block(
+        &self,
+        hash: &BlockHash,
+        tokens: &[u32],
+        fingerprint: Option<Fingerprint>,
+    ) -> Option<u32> {
+        if !self.enable_caching {
+            return None;
+        }
+        match (&self.provenance, fingerprint) {
+            (Some(prov), Some(fp)) => self
+                .prefix
+                .get_all(hash)
+                .iter()
+                .copied()
+                .find(|&b| prov.matches(b, tokens, fp)),
+            _ => self.prefix.get_one(hash),
+        }
+    }
+
+    /// Whether cached `block` holds `tokens` at the end of the prefix `fingerprint`; always
+    /// true without verification.
+    pub fn hit_matches(
+        &self,
+        block: u32,
+        tokens: &[u32],
+        fingerprint: Option<Fingerprint>,
+    ) -> bool {
+        match (&self.provenance, fingerprint) {
+            (Some(prov), Some(fp)) => prov.matches(block, tokens, fp),
+            _ => true,
+        }
     }
 
     /// Pops `n` blocks from the head of the free queue, evicting their hashes, with ref count 1.
@@ -167,12 +256,23 @@ impl BlockPool {
 
     /// Registers `blocks[i]` under `hashes[i]` for every pair. A block already registered
     /// (under the same hash: it holds the same tokens) is left as it is.
-    pub fn cache_full_blocks(&mut self, blocks: &[u32], hashes: &[BlockHash]) {
+    pub fn cache_full_blocks(
+        &mut self,
+        blocks: &[u32],
+        hashes: &[BlockHash],
+        src: BlockSource<'_>,
+    ) {
         if !self.enable_caching {
             return;
         }
         debug_assert_eq!(blocks.len(), hashes.len());
-        for (&b, h) in blocks.iter().zip(hashes) {
+        let mut fingerprint = self.fingerprint_before(src);
+        for (i, (&b, h)) in blocks.iter().zip(hashes).enumerate() {
+            if let Some(prov) = &self.provenance {
+                let bs = prov.block_size();
+                let tokens = &src.tokens[(src.first + i) * bs..(src.first + i + 1) * bs];
+                fingerprint = Some(prov.chain(fingerprint, tokens, src.extra));
+            }
             if b == NULL_BLOCK {
                 continue;
             }
@@ -180,9 +280,30 @@ impl BlockPool {
                 debug_assert_eq!(existing, h, "block {b} is re-cached under another hash");
                 continue;
             }
+            if let (Some(prov), Some(fp)) = (&mut self.provenance, fingerprint) {
+                let bs = prov.block_size();
+                let tokens = &src.tokens[(src.first + i) * bs..(src.first + i + 1) * bs];
+                prov.record(b, tokens, fp);
+            }
             self.block_hash[b as usize] = Some(*h);
             self.prefix.insert(*h, b);
         }
+    }
+
+    /// The fingerprint of the prefix before `src`'s first block: the parent's, when the parent
+    /// is cached, else recomputed from the request's tokens.
+    fn fingerprint_before(&self, src: BlockSource<'_>) -> Option<Fingerprint> {
+        let prov = self.provenance.as_ref()?;
+        if src.first == 0 {
+            return None;
+        }
+        if src.parent != NULL_BLOCK && self.block_hash[src.parent as usize].is_some() {
+            return Some(prov.fingerprint_of(src.parent));
+        }
+        let bs = prov.block_size();
+        src.tokens[..src.first * bs]
+            .chunks_exact(bs)
+            .fold(None, |fp, block| Some(prov.chain(fp, block, src.extra)))
     }
 
     /// Evicts `block`'s hash from the prefix cache if it is registered; returns whether it was.
@@ -282,6 +403,20 @@ impl BlockPool {
 mod tests {
     use super::*;
 
+    /// Provenance of blocks in a pool without hit verification (tokens unused).
+    fn source(tokens: &[u32]) -> BlockSource<'_> {
+        static NO_EXTRA: ExtraKeys = ExtraKeys {
+            lora_name: None,
+            cache_salt: None,
+        };
+        BlockSource {
+            tokens,
+            first: 0,
+            parent: NULL_BLOCK,
+            extra: &NO_EXTRA,
+        }
+    }
+
     #[test]
     fn null_block_is_never_handed_out() {
         let mut pool = BlockPool::new(4, true).unwrap();
@@ -299,7 +434,7 @@ mod tests {
         let mut pool = BlockPool::new(4, true).unwrap();
         let mut out = Vec::new();
         pool.get_new_blocks(2, &mut out).unwrap();
-        pool.cache_full_blocks(&out[..1], &[[7; 32]]);
+        pool.cache_full_blocks(&out[..1], &[[7; 32]], source(&[]));
         pool.free_blocks(out.iter().rev().copied());
         // Unhashed block 2 is reused first; cached block 1 is evicted last.
         assert_eq!(pool.free_block_ids(), [2, 3, 1]);
@@ -320,7 +455,7 @@ mod tests {
         let mut pool = BlockPool::new(2, true).unwrap();
         let mut out = Vec::new();
         pool.get_new_blocks(1, &mut out).unwrap();
-        pool.cache_full_blocks(&out, &[[1; 32]]);
+        pool.cache_full_blocks(&out, &[[1; 32]], source(&[]));
         pool.free_blocks(out.clone());
         out.clear();
         pool.get_new_blocks(1, &mut out).unwrap();

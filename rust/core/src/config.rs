@@ -36,6 +36,9 @@ pub struct SchedulerConfig {
     pub hash_seed: Vec<u8>,
     /// Lookahead rule (only `Correct` outside tests).
     pub lookahead_policy: LookaheadPolicy,
+    /// Verify prefix-cache hits against the tokens and prefix they were cached with (default);
+    /// false trusts the block hash alone, as vLLM does (a test switch, see `provenance`).
+    pub verify_prefix_hits: bool,
 }
 
 impl SchedulerConfig {
@@ -62,6 +65,7 @@ impl SchedulerConfig {
             hash_algo: HashAlgo::Sha256,
             hash_seed: b"dflash-rs".to_vec(),
             lookahead_policy: LookaheadPolicy::Correct,
+            verify_prefix_hits: true,
         }
     }
 

@@ -25,6 +25,10 @@ pub enum HashAlgo {
     Blake3,
     /// XXH3-128: fast, not cryptographic. Only for single-tenant deployments.
     Xxh3_128,
+    /// Test-only (feature `fault-injection`): every block hashes to the same value, a forced
+    /// collision of every key, to show that verified hits never share KV across prefixes.
+    #[cfg(feature = "fault-injection")]
+    TestCollide,
 }
 
 impl HashAlgo {
@@ -34,6 +38,8 @@ impl HashAlgo {
             "sha256" => Ok(Self::Sha256),
             "blake3" => Ok(Self::Blake3),
             "xxh3_128" | "xxhash" => Ok(Self::Xxh3_128),
+            #[cfg(feature = "fault-injection")]
+            "test-collide" => Ok(Self::TestCollide),
             other => Err(invalid!(
                 "unknown hash_algo {other:?}; expected one of \"sha256\", \"blake3\", \"xxh3_128\""
             )),
@@ -46,6 +52,8 @@ impl HashAlgo {
             Self::Sha256 => "sha256",
             Self::Blake3 => "blake3",
             Self::Xxh3_128 => "xxh3_128",
+            #[cfg(feature = "fault-injection")]
+            Self::TestCollide => "test-collide",
         }
     }
 }
@@ -146,6 +154,8 @@ impl BlockHasher {
                 out[..16].copy_from_slice(&h.digest128().to_le_bytes());
                 out
             }
+            #[cfg(feature = "fault-injection")]
+            HashAlgo::TestCollide => [0x5a; HASH_BYTES],
         }
     }
 

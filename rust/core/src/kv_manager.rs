@@ -5,9 +5,9 @@
 //! it in together with a [`SequenceView`] of the request's tokens, so the scheduler needs no map
 //! lookups on the hot path.
 
-use crate::block_pool::BlockPool;
+use crate::block_pool::{BlockPool, BlockSource, NULL_BLOCK};
 use crate::error::{invalid, CoreError, CoreResult};
-use crate::hashing::BlockHash;
+use crate::hashing::{BlockHash, ExtraKeys};
 
 /// Blocks held by one request, in logical order, and how many leading ones are in the prefix cache.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -22,9 +22,18 @@ pub struct RequestBlocks {
 #[derive(Debug, Clone, Copy)]
 pub struct SequenceView<'a> {
     /// Known tokens (prompt + accepted outputs; never drafts).
-    pub num_tokens: usize,
+    pub tokens: &'a [u32],
     /// Chained hashes of every full block of the known tokens (may be empty when caching is off).
     pub block_hashes: &'a [BlockHash],
+    /// The request's extra keys (LoRA name, cache salt), checked on prefix-cache hits.
+    pub extra: &'a ExtraKeys,
+}
+
+impl SequenceView<'_> {
+    /// Number of known tokens.
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
 }
 
 /// Arguments of one `allocate_slots` call.
@@ -84,12 +93,21 @@ impl KvCacheManager {
         if max_model_len == 0 {
             return Err(invalid!("max_model_len must be positive"));
         }
+        let mut pool = BlockPool::new(num_blocks, enable_caching)?;
+        pool.set_verify_hits(Some(block_size))?;
         Ok(Self {
-            pool: BlockPool::new(num_blocks, enable_caching)?,
+            pool,
             block_size,
             max_model_len,
             stats: PrefixCacheStats::default(),
         })
+    }
+
+    /// Turns verification of prefix-cache hits (on by default) on or off; only while nothing is
+    /// cached. Off trusts a hit on its hash alone, as vLLM does: a test switch that shows what
+    /// verification guards against under a forced hash collision.
+    pub fn set_verify_hits(&mut self, on: bool) -> CoreResult<()> {
+        self.pool.set_verify_hits(on.then_some(self.block_size))
     }
 
     /// Tokens per block.
@@ -131,19 +149,24 @@ impl KvCacheManager {
     /// with the cached blocks and returns the hit length in tokens. Touches nothing.
     pub fn get_computed_blocks(&mut self, seq: SequenceView<'_>, hits: &mut Vec<u32>) -> usize {
         hits.clear();
-        if !self.pool.caching_enabled() || seq.num_tokens == 0 {
+        let num_tokens = seq.num_tokens();
+        if !self.pool.caching_enabled() || num_tokens == 0 {
             return 0;
         }
-        let max_hit_blocks = ((seq.num_tokens - 1) / self.block_size).min(seq.block_hashes.len());
-        for hash in &seq.block_hashes[..max_hit_blocks] {
-            match self.pool.get_cached_block(hash) {
+        let bs = self.block_size;
+        let max_hit_blocks = ((num_tokens - 1) / bs).min(seq.block_hashes.len());
+        let mut fingerprint = None;
+        for (i, hash) in seq.block_hashes[..max_hit_blocks].iter().enumerate() {
+            let tokens = &seq.tokens[i * bs..(i + 1) * bs];
+            fingerprint = self.pool.prefix_fingerprint(fingerprint, tokens, seq.extra);
+            match self.pool.find_cached_block(hash, tokens, fingerprint) {
                 Some(b) => hits.push(b),
                 None => break,
             }
         }
         let hit_tokens = hits.len() * self.block_size;
         self.stats.requests += 1;
-        self.stats.queries += seq.num_tokens as u64;
+        self.stats.queries += num_tokens as u64;
         self.stats.hits += hit_tokens as u64;
         hit_tokens
     }
@@ -206,19 +229,23 @@ impl KvCacheManager {
                 self.max_model_len
             )));
         }
-        if args.num_new_computed_tokens > seq.num_tokens.saturating_sub(1) {
+        if args.num_new_computed_tokens > seq.num_tokens().saturating_sub(1) {
             return Err(invalid!(
                 "a prefix hit of {} tokens is not below the sequence's {} tokens",
                 args.num_new_computed_tokens,
-                seq.num_tokens
+                seq.num_tokens()
             ));
         }
+        let mut fingerprint = None;
         for (i, &b) in hits.iter().enumerate() {
+            // Hits lie below num_tokens - 1 (checked above), so the block's tokens exist.
+            let tokens = &seq.tokens[i * bs..(i + 1) * bs];
+            fingerprint = self.pool.prefix_fingerprint(fingerprint, tokens, seq.extra);
             let is_prefix = (b as usize) < self.pool.num_blocks()
-                && seq
-                    .block_hashes
-                    .get(i)
-                    .is_some_and(|h| self.pool.block_hash(b) == Some(h));
+                && seq.block_hashes.get(i).is_some_and(|h| {
+                    self.pool.block_hash(b) == Some(h)
+                        && self.pool.hit_matches(b, tokens, fingerprint)
+                });
             if !is_prefix {
                 return Err(invalid!(
                     "new_computed_blocks[{i}] = {b} is not the cached block of this request's \
@@ -227,7 +254,7 @@ impl KvCacheManager {
             }
         }
         if self.pool.caching_enabled() {
-            let to_cache = end.min(seq.num_tokens) / bs;
+            let to_cache = end.min(seq.num_tokens()) / bs;
             if to_cache > seq.block_hashes.len() {
                 return Err(invalid!(
                     "sequence has {} block hashes but {to_cache} full blocks to cache",
@@ -259,7 +286,7 @@ impl KvCacheManager {
         let free = self.pool.num_free_blocks();
 
         if args.full_sequence_must_fit {
-            let full_len = seq.num_tokens.min(self.max_model_len);
+            let full_len = seq.num_tokens().min(self.max_model_len);
             if self.blocks_to_allocate(req, hits, full_len) > free {
                 return Ok(None);
             }
@@ -279,11 +306,23 @@ impl KvCacheManager {
             .get_new_blocks(num_new_blocks, &mut req.block_ids)?;
 
         if self.pool.caching_enabled() {
-            let num_full = main.min(seq.num_tokens) / self.block_size;
+            let num_full = main.min(seq.num_tokens()) / self.block_size;
             if req.num_cached_blocks < num_full {
                 let range = req.num_cached_blocks..num_full;
-                self.pool
-                    .cache_full_blocks(&req.block_ids[range.clone()], &seq.block_hashes[range]);
+                let src = BlockSource {
+                    tokens: seq.tokens,
+                    first: range.start,
+                    parent: range
+                        .start
+                        .checked_sub(1)
+                        .map_or(NULL_BLOCK, |p| req.block_ids[p]),
+                    extra: seq.extra,
+                };
+                self.pool.cache_full_blocks(
+                    &req.block_ids[range.clone()],
+                    &seq.block_hashes[range],
+                    src,
+                );
                 req.num_cached_blocks = num_full;
             }
         }

@@ -17,6 +17,7 @@ pub mod kv_manager;
 pub mod lookahead;
 pub mod output;
 pub mod prefix_map;
+pub mod provenance;
 pub mod queue;
 pub mod request;
 pub mod request_store;

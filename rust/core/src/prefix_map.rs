@@ -54,6 +54,15 @@ impl PrefixMap {
         }
     }
 
+    /// Every block registered under `hash`, in insertion order.
+    pub fn get_all(&self, hash: &BlockHash) -> &[u32] {
+        match self.map.get(hash) {
+            Some(Entry::One(b)) => std::slice::from_ref(b),
+            Some(Entry::Many(v)) => v,
+            None => &[],
+        }
+    }
+
     /// Whether `block` is registered under `hash`.
     pub fn contains(&self, hash: &BlockHash, block: u32) -> bool {
         match self.map.get(hash) {

@@ -134,8 +134,9 @@ impl Request {
     /// The view the KV-cache manager needs.
     pub fn sequence(&self) -> SequenceView<'_> {
         SequenceView {
-            num_tokens: self.tokens.len(),
+            tokens: &self.tokens,
             block_hashes: &self.block_hashes,
+            extra: &self.spec.extra,
         }
     }
 

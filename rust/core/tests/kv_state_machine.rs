@@ -267,6 +267,8 @@ struct ContentKey {
 struct Content {
     lora: Option<u8>,
     salt: Option<u8>,
+    /// `lora` and `salt` as the hasher sees them.
+    extra: ExtraKeys,
     tokens: Vec<u32>,
     /// Real chained hashes of the full blocks (empty with caching off, as the bindings do).
     hashes: Vec<BlockHash>,
@@ -282,16 +284,14 @@ impl Content {
     }
 
     fn extra_keys(&self) -> ExtraKeys {
-        ExtraKeys {
-            lora_name: self.lora.map(|l| format!("lora-{l}")),
-            cache_salt: self.salt.map(|s| format!("salt-{s}")),
-        }
+        self.extra.clone()
     }
 
     fn view(&self) -> SequenceView<'_> {
         SequenceView {
-            num_tokens: self.tokens.len(),
+            tokens: &self.tokens,
             block_hashes: &self.hashes,
+            extra: &self.extra,
         }
     }
 }
@@ -731,6 +731,7 @@ impl<'a> Harness<'a> {
                 let mut content = Content {
                     lora: *lora,
                     salt: *salt,
+                    extra: extra_of(*lora, *salt),
                     tokens,
                     hashes: Vec::new(),
                 };
@@ -1116,10 +1117,18 @@ impl<'a> Harness<'a> {
     }
 }
 
+fn extra_of(lora: Option<u8>, salt: Option<u8>) -> ExtraKeys {
+    ExtraKeys {
+        lora_name: lora.map(|l| format!("lora-{l}")),
+        cache_salt: salt.map(|s| format!("salt-{s}")),
+    }
+}
+
 fn empty_content() -> Content {
     Content {
         lora: None,
         salt: None,
+        extra: ExtraKeys::default(),
         tokens: Vec::new(),
         hashes: Vec::new(),
     }
@@ -1211,7 +1220,13 @@ proptest! {
         ],
     ) {
         let hasher = BlockHasher::new(algo, block_size, b"seed");
-        let content = Content { lora, salt, tokens: tokens.clone(), hashes: Vec::new() };
+        let content = Content {
+            lora,
+            salt,
+            extra: extra_of(lora, salt),
+            tokens: tokens.clone(),
+            hashes: Vec::new(),
+        };
         let extra = content.extra_keys();
         let mut batch = Vec::new();
         hasher.extend_hashes(&mut batch, &tokens, &extra);
@@ -1306,6 +1321,7 @@ fn hashed(tokens: Vec<u32>, block_size: usize) -> Content {
     let mut content = Content {
         lora: None,
         salt: None,
+        extra: ExtraKeys::default(),
         tokens,
         hashes: Vec::new(),
     };

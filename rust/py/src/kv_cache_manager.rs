@@ -23,8 +23,9 @@ struct ManagedRequest {
 impl ManagedRequest {
     fn view(&self) -> SequenceView<'_> {
         SequenceView {
-            num_tokens: self.tokens.len(),
+            tokens: &self.tokens,
             block_hashes: &self.hashes,
+            extra: &self.extra,
         }
     }
 }
@@ -49,7 +50,8 @@ impl PyKvCacheManager {
 #[pymethods]
 impl PyKvCacheManager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, max_model_len, enable_prefix_caching=true, hash_algo="sha256", hash_seed=None))]
+    #[pyo3(signature = (num_blocks, block_size, max_model_len, enable_prefix_caching=true, hash_algo="sha256", hash_seed=None, verify_prefix_hits=true))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         num_blocks: Int,
@@ -58,14 +60,16 @@ impl PyKvCacheManager {
         enable_prefix_caching: bool,
         hash_algo: &str,
         hash_seed: Option<&Bound<'_, PyAny>>,
+        verify_prefix_hits: bool,
     ) -> PyResult<Self> {
         let num_blocks = non_negative(py, "num_blocks", num_blocks)?;
         let block_size = positive(py, "block_size", block_size)?;
         let max_model_len = positive(py, "max_model_len", max_model_len)?;
         let hasher = make_hasher(py, hash_algo, hash_seed, block_size)?;
-        let inner =
+        let mut inner =
             KvCacheManager::new(num_blocks, block_size, max_model_len, enable_prefix_caching)
                 .py(py)?;
+        inner.set_verify_hits(verify_prefix_hits).py(py)?;
         Ok(Self {
             inner,
             hasher,
@@ -211,8 +215,9 @@ impl PyKvCacheManager {
             .get_mut(request_id)
             .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
         let view = SequenceView {
-            num_tokens: req.tokens.len(),
+            tokens: &req.tokens,
             block_hashes: &req.hashes,
+            extra: &req.extra,
         };
         let first_new = self
             .inner

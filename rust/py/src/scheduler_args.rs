@@ -42,6 +42,12 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
     c.long_prefill_token_threshold = count("long_prefill_token_threshold")?;
     c.policy = Policy::from_name(&attr::<String>(config, "policy")?).py(py)?;
     c.hash_algo = HashAlgo::from_name(&attr::<String>(config, "hash_algo")?).py(py)?;
+    // Optional, so configs written for earlier versions keep working.
+    if let Ok(v) = config.getattr("verify_prefix_hits") {
+        c.verify_prefix_hits = v
+            .extract()
+            .map_err(|_| invalid(py, "config.verify_prefix_hits must be a bool"))?;
+    }
     c.lookahead_policy =
         LookaheadPolicy::from_name(&attr::<String>(config, "lookahead_policy")?).py(py)?;
     let speculative = config.getattr("speculative")?;

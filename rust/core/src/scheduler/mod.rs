@@ -123,12 +123,13 @@ impl Scheduler {
     /// A scheduler with an empty pool.
     pub fn new(config: SchedulerConfig) -> CoreResult<Self> {
         config.validate()?;
-        let kv = KvCacheManager::new(
+        let mut kv = KvCacheManager::new(
             config.num_blocks,
             config.block_size,
             config.max_model_len,
             config.enable_prefix_caching,
         )?;
+        kv.set_verify_hits(config.verify_prefix_hits)?;
         let hasher = config
             .enable_prefix_caching
             .then(|| BlockHasher::new(config.hash_algo, config.block_size, &config.hash_seed));
@@ -405,8 +406,9 @@ impl Scheduler {
                     ..Default::default()
                 };
                 let seq = crate::kv_manager::SequenceView {
-                    num_tokens: r.tokens.len(),
+                    tokens: &r.tokens,
                     block_hashes: &r.block_hashes,
+                    extra: &r.spec.extra,
                 };
                 if let Some(first_new) = self.kv.allocate_slots(&mut r.blocks, seq, args)? {
                     allocated = Some(first_new);
@@ -545,8 +547,9 @@ impl Scheduler {
             });
             let r = self.store.get_mut(slot)?;
             let seq = crate::kv_manager::SequenceView {
-                num_tokens: r.tokens.len(),
+                tokens: &r.tokens,
                 block_hashes: &r.block_hashes,
+                extra: &r.spec.extra,
             };
             let args = AllocateArgs {
                 num_new_tokens: num_new,

@@ -1,0 +1,102 @@
+//! What each prefix-cached block was computed from, so that a hit is verified, not trusted.
+//!
+//! A block hash stands for the whole token prefix up to the end of its block (the hashes are
+//! chained) plus the request's extra keys (LoRA name, cache salt). With SHA-256 a collision is
+//! infeasible, but the cache is shared between tenants, so a hit is also checked against what
+//! the block was cached with: its own tokens, exactly, and a fingerprint of the whole prefix
+//! and extra keys, chained like the block hashes but computed independently of them (keyed
+//! XXH3-128 with a per-pool random key). A hit counts only if both match the request, so a
+//! collision of the block hash alone (which tests force with a test-only hash) can never hand
+//! one request KV computed for another prefix or tenant.
+
+use std::hash::{BuildHasher, Hasher};
+
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::error::{try_filled_vec, CoreResult};
+use crate::hashing::ExtraKeys;
+
+/// Fingerprint of a token prefix and extra keys.
+pub type Fingerprint = u128;
+
+/// Tokens and prefix fingerprint of every cached block.
+#[derive(Debug, Clone)]
+pub struct Provenance {
+    block_size: usize,
+    /// Key of the fingerprints, random per pool.
+    key: u64,
+    /// `[num_blocks * block_size]` tokens each cached block holds.
+    tokens: Vec<u32>,
+    /// Fingerprint of the prefix ending with each cached block.
+    fingerprint: Vec<Fingerprint>,
+}
+
+impl Provenance {
+    /// Room for `num_blocks` blocks of `block_size` tokens.
+    pub fn try_new(num_blocks: usize, block_size: usize) -> CoreResult<Self> {
+        let num_tokens = num_blocks.saturating_mul(block_size);
+        let mut seed = std::collections::hash_map::RandomState::new().build_hasher();
+        seed.write_usize(num_blocks);
+        Ok(Self {
+            block_size,
+            key: seed.finish(),
+            tokens: try_filled_vec(num_tokens, 0, "prefix-cache token copies")?,
+            fingerprint: try_filled_vec(num_blocks, 0, "prefix-cache fingerprints")?,
+        })
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The fingerprint of a prefix whose last block holds `tokens`, chained to `parent` (the
+    /// fingerprint of the prefix before it; `None` for a sequence's first block).
+    pub fn chain(
+        &self,
+        parent: Option<Fingerprint>,
+        tokens: &[u32],
+        extra: &ExtraKeys,
+    ) -> Fingerprint {
+        let mut h = Xxh3::with_seed(self.key);
+        match parent {
+            Some(p) => h.update(&p.to_le_bytes()),
+            None => {
+                for key in [&extra.lora_name, &extra.cache_salt] {
+                    match key {
+                        Some(s) => {
+                            h.update(&[1]);
+                            h.update(&(s.len() as u64).to_le_bytes());
+                            h.update(s.as_bytes());
+                        }
+                        None => h.update(&[0]),
+                    }
+                }
+            }
+        }
+        for t in tokens {
+            h.update(&t.to_le_bytes());
+        }
+        h.digest128()
+    }
+
+    /// The fingerprint recorded for cached `block`.
+    pub fn fingerprint_of(&self, block: u32) -> Fingerprint {
+        self.fingerprint[block as usize]
+    }
+
+    /// Records what `block` holds as it enters the cache.
+    pub fn record(&mut self, block: u32, tokens: &[u32], fingerprint: Fingerprint) {
+        let b = block as usize;
+        debug_assert_eq!(tokens.len(), self.block_size);
+        self.tokens[b * self.block_size..(b + 1) * self.block_size].copy_from_slice(tokens);
+        self.fingerprint[b] = fingerprint;
+    }
+
+    /// Whether cached `block` holds exactly `tokens` at the end of the prefix `fingerprint`.
+    pub fn matches(&self, block: u32, tokens: &[u32], fingerprint: Fingerprint) -> bool {
+        let b = block as usize;
+        self.fingerprint[b] == fingerprint
+            && self.tokens[b * self.block_size..(b + 1) * self.block_size] == *tokens
+    }
+}
