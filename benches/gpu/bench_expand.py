@@ -5,13 +5,16 @@ Variants, each launched into preallocated buffers:
   vllm-layout    vLLM's per-(request x token tile) layout, re-implemented from the semantics in
                  shared/reference/vllm_v1_semantics.md section 4.3 (default mode only)
   default        dflash_rs.kernels, default (vLLM-compatible) mode
-  strict         dflash_rs.kernels, strict mode (num_blocks_per_row, max_model_len), exact count
-  strict-acc     strict mode with accumulate_violations=True (no per-launch ticket)
+  strict         dflash_rs.kernels, strict mode (num_blocks_per_row, max_model_len), with the
+                 exact per-launch violation count (per-program slots, summed when read)
+  strict-acc     strict mode with accumulate_violations=True
 
 Each variant is first checked against the pure-torch reference on the GPU, then timed two ways:
 ``triton.testing.do_bench`` (one launch per call, so it includes the Python launch cost) and
 inside a CUDA graph (N launches captured, replayed R times, time / (N*R)): the per-launch cost a
-serving engine sees. Prints a markdown table; ``--json PATH`` also writes the numbers.
+serving engine sees. The graph samples of a workload's variants are taken in turn, after a
+warm-up, so that clock drift shifts all of them alike. Prints a markdown table; ``--json PATH``
+also writes the numbers.
 
     python benches/gpu/bench_expand.py --json bench_expand.json
 """
@@ -23,6 +26,7 @@ import datetime
 import json
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -275,8 +279,7 @@ def check(name: str, got: DFlashInputs, want: DFlashInputs, with_violations: boo
     return errors
 
 
-def graph_time_us(launch: Callable[[], None], launches: int, replays: int, repeats: int) -> float:
-    """Median over ``repeats`` of (replay time of a graph of ``launches`` launches) / launches."""
+def capture_graph(launch: Callable[[], None], launches: int) -> torch.cuda.CUDAGraph:
     launch()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -285,16 +288,46 @@ def graph_time_us(launch: Callable[[], None], launches: int, replays: int, repea
             launch()
     graph.replay()
     torch.cuda.synchronize()
-    samples = []
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, launches: int, replays: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / (launches * replays)
+
+
+def graph_times_us(
+    launches: dict[str, Callable[[], None]], per_graph: int, replays: int, repeats: int
+) -> dict[str, float]:
+    """Per-launch time of each variant: a graph of ``per_graph`` launches each, replayed
+    ``replays`` times per sample; the samples of all variants are taken in turn (``repeats``
+    rounds), so a drift of the GPU's clocks during the run shifts every variant alike. Median."""
+    graphs = {name: capture_graph(launch, per_graph) for name, launch in launches.items()}
+    samples: dict[str, list[float]] = {name: [] for name in launches}
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
+        for name, graph in graphs.items():
+            samples[name].append(replay_us(graph, per_graph, replays))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def graph_time_us(launch: Callable[[], None], launches: int, replays: int, repeats: int) -> float:
+    """Median over ``repeats`` of (replay time of a graph of ``launches`` launches) / launches."""
+    return graph_times_us({"one": launch}, launches, replays, repeats)["one"]
+
+
+def warm_up(launch: Callable[[], None], seconds: float) -> None:
+    """Replay launches for ``seconds``: the GPU reaches its steady clocks before any sample."""
+    graph = capture_graph(launch, 100)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(50):
             graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0 / (launches * replays))
-    return statistics.median(samples)
+        torch.cuda.synchronize()
 
 
 def bench_us(launch: Callable[[], None]) -> float:
@@ -313,6 +346,8 @@ def run(args: argparse.Namespace) -> int:
 
     def empty_launch() -> None:
         _empty_kernel[(1,)](empty_target)
+
+    warm_up(empty_launch, args.warmup_s)
 
     rows, failures = [], []
     for workload in workloads:
@@ -343,10 +378,9 @@ def run(args: argparse.Namespace) -> int:
         # Fully allocated tables: the accumulated count must stay 0 as well.
         failures += check(f"{workload.name} strict-acc", outs["acc"], want_strict, True)
         row: dict = {"workload": workload.name, "num_reqs": n, "num_ctx": c}
+        times = graph_times_us(launches, args.graph_launches, args.graph_replays, args.repeats)
         for variant, launch in launches.items():
-            row[f"{variant}_graph_us"] = graph_time_us(
-                launch, args.graph_launches, args.graph_replays, args.repeats
-            )
+            row[f"{variant}_graph_us"] = times[variant]
             if not args.skip_do_bench:
                 row[f"{variant}_do_bench_us"] = bench_us(launch)
         rows.append(row)
@@ -366,6 +400,7 @@ def run(args: argparse.Namespace) -> int:
             "graph_launches": args.graph_launches,
             "graph_replays": args.graph_replays,
             "repeats": args.repeats,
+            "warmup_s": args.warmup_s,
             "correct": not failures,
             "failures": failures,
             "rows": rows,
@@ -405,6 +440,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--graph-launches", type=int, default=100, help="launches per graph")
     parser.add_argument("--graph-replays", type=int, default=50, help="replays per sample")
     parser.add_argument("--repeats", type=int, default=7, help="samples per measurement")
+    parser.add_argument(
+        "--warmup-s", type=float, default=2.0, help="seconds of launches before the first sample"
+    )
     parser.add_argument("--skip-do-bench", action="store_true", help="CUDA-graph timing only")
     parser.add_argument("--only", nargs="*", help="run workloads whose name contains these")
     parser.add_argument("--seed", type=int, default=0)

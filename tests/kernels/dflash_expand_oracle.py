@@ -31,6 +31,19 @@ SEED_ENV = "DFLASH_KERNEL_TEST_SEED"
 POISON = -7777
 
 
+def poison(out: DFlashInputs) -> DFlashInputs:
+    """Set every output lane and every per-program violation slot to POISON.
+
+    ``num_violations`` is a sum computed when read, so poisoning the slots it sums is what makes
+    a slot the kernel forgets to write show up as a wrong count.
+    """
+    for name in OUTPUT_FIELDS:
+        if name != "num_violations":
+            getattr(out, name).fill_(POISON)
+    out.violation_partials.fill_(POISON)
+    return out
+
+
 def fresh_seed() -> int:
     """A new seed per call, unless DFLASH_KERNEL_TEST_SEED pins one to replay a failure."""
     pinned = os.environ.get(SEED_ENV)
@@ -111,9 +124,7 @@ class Case:
             self.num_speculative_tokens,
             device,
         )
-        for name in OUTPUT_FIELDS:
-            getattr(out, name).fill_(POISON)
-        return out
+        return poison(out)
 
 
 def oracle(case: Case) -> dict[str, list[int]]:
@@ -213,10 +224,20 @@ def random_case(
     lengths: str = "random",
     clamp: bool = False,
     padding: bool = True,
+    context_lens: Optional[list[int]] = None,
 ) -> Case:
-    """A random batch; ``clamp`` makes the table narrower than some positions need."""
-    num_ctx = max(num_ctx, num_reqs)
-    lens = _split(rng, num_ctx, num_reqs, lengths)
+    """A random batch; ``clamp`` makes the table narrower than some positions need.
+
+    ``context_lens`` (positive) fixes every request's context length, and with it num_reqs and
+    num_ctx (the two arguments are then ignored).
+    """
+    if context_lens is not None:
+        lens = np.asarray(context_lens, dtype=np.int64)
+        num_reqs, num_ctx = len(lens), int(lens.sum())
+        lengths = "given"
+    else:
+        num_ctx = max(num_ctx, num_reqs)
+        lens = _split(rng, num_ctx, num_reqs, lengths)
     starts = rng.integers(0, 40 * block_size + 1, num_reqs)
     scrambled = rng.random() < 0.15  # positions need not be contiguous: they are copied
     pieces = []

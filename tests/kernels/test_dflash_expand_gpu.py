@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from dflash_expand_oracle import Case, assert_matches, oracle, random_case
+from dflash_expand_oracle import Case, assert_matches, oracle, poison, random_case
 
 from dflash_rs.kernels import DFlashInputs, expand_dflash_inputs
 
@@ -22,6 +22,9 @@ SHAPES = [  # (num_reqs, num_ctx, K, block_size, lengths)
     (64, 64 * 512, 8, 32, "random"),
     (4097, 20000, 3, 128, "random"),
     (333, 2000, 15, 1, "random"),
+    (1024, 5021, 8, 16, "random"),  # ragged decode: stage-1 windows
+    (256, 4343, 8, 16, "one_long"),  # skewed: stage-2 windows
+    (2000, 3000, 8, 16, "random"),  # under 4 tokens a request: per-lane probes
 ]
 
 
@@ -114,9 +117,40 @@ def test_cuda_graph_replay_with_out_buffers(seeded_rng, strict):
             static.copy_(fresh)
         for name, tensor in static_kwargs.items():
             tensor.copy_(new_keywords[name])
-        for name in ("input_ids", "query_slot_mapping", "context_slot_mapping", "num_violations"):
-            getattr(out, name).fill_(-7777)
+        poison(out)
         graph.replay()
         torch.cuda.synchronize()
         assert_matches(out, oracle(case), case, "cuda graph replay")
-        assert out.violation_scratch.tolist() == [0]
+
+
+def test_cuda_graph_replay_accumulates_violations(seeded_rng):
+    """accumulate_violations inside a graph: each replay adds its launches' counts to the
+    per-program slots, and reset_violations() (outside the graph) starts again from zero."""
+    seed, rng = seeded_rng
+    num_reqs, num_ctx, width = 96, 900, 40
+    case = _fixed_shape_case(rng, seed, num_reqs, num_ctx, width, strict=True)
+    per_launch = oracle(case)["num_violations"][0]
+    static_args, keywords = case.torch_args("cuda")
+    out = DFlashInputs.empty(num_reqs, num_ctx, 8, "cuda")
+
+    def launch() -> None:
+        expand_dflash_inputs(
+            *static_args, **keywords, out=out, validate=False, accumulate_violations=True
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):
+            launch()
+    out.reset_violations()
+    graph.replay()
+    graph.replay()
+    assert out.num_violations.tolist() == [6 * per_launch]
+    out.reset_violations()
+    graph.replay()
+    assert out.num_violations.tolist() == [3 * per_launch]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dflash_expand_oracle import OUTPUT_FIELDS, POISON
+from dflash_expand_oracle import poison
 
 from dflash_rs.kernels import (
     PAD_POSITION,
@@ -19,10 +19,7 @@ BACKENDS = ("triton", "reference")
 
 
 def _poisoned(max_reqs: int, max_ctx: int, k: int, device: str) -> DFlashInputs:
-    out = DFlashInputs.empty(max_reqs, max_ctx, k, device)
-    for name in OUTPUT_FIELDS:
-        getattr(out, name).fill_(POISON)
-    return out
+    return poison(DFlashInputs.empty(max_reqs, max_ctx, k, device))
 
 
 def _batch(device: str, lengths: list[int], num_reqs_padded: int, num_ctx_padded: int):
@@ -115,7 +112,7 @@ def test_dflash_inputs_empty_and_narrow(device):
     out = DFlashInputs.empty(8, 100, 3, device)
     assert (out.max_num_reqs, out.max_num_ctx) == (8, 100)
     assert out.input_ids.numel() == 32 and out.token_indices_to_sample.numel() == 24
-    assert out.num_violations.tolist() == [0] and out.violation_scratch.tolist() == [0]
+    assert out.num_violations.tolist() == [0] and not out.violation_partials.any()
     view = out.narrow(2, 10)
     assert view.input_ids.numel() == 8 and view.context_slot_mapping.numel() == 10
     assert view.token_indices_to_sample.numel() == 6

@@ -14,6 +14,7 @@ from typing import Any, NoReturn, Optional
 import torch
 
 from dflash_rs.errors import InvalidArgumentError
+from dflash_rs.kernels._grid import num_programs
 from dflash_rs.kernels.result import DFlashInputs
 
 __all__ = ["ExpandArgs", "prepare_expand_args"]
@@ -117,8 +118,7 @@ def _check_out(out: Any, num_reqs: int, num_ctx: int, num_spec: int, device: tor
         "context_positions": torch.int64,
         "context_slot_mapping": torch.int64,
         "token_indices_to_sample": torch.int32,
-        "num_violations": torch.int32,
-        "violation_scratch": torch.int64,
+        "violation_partials": torch.int32,
     }
     for field, dtype in specs.items():
         _check_tensor(f"out.{field}", getattr(out, field), dtype, 1, device)
@@ -138,8 +138,12 @@ def _check_out(out: Any, num_reqs: int, num_ctx: int, num_spec: int, device: tor
         _fail(f"out holds {out.context_positions.numel()} context lanes, fewer than {num_ctx}")
     if query_lanes > _INT32_MAX or out.context_positions.numel() > _INT32_MAX:
         _fail("out buffers must hold fewer than 2**31 lanes")
-    if out.num_violations.numel() != 1 or out.violation_scratch.numel() != 1:
-        _fail("out.num_violations and out.violation_scratch must have exactly one element")
+    slots = num_programs(query_lanes, out.context_positions.numel())
+    if out.violation_partials.numel() < slots:
+        _fail(
+            f"out.violation_partials has {out.violation_partials.numel()} slots, fewer than the "
+            f"{slots} programs of a launch over these buffers (allocate with DFlashInputs.empty)"
+        )
 
 
 def _check_values(args: ExpandArgs) -> None:

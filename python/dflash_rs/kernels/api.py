@@ -66,11 +66,11 @@ def expand_dflash_inputs(
     (``num_blocks_per_row`` int32 [>= num_reqs] given) maps a lane to ``PAD_SLOT_ID`` and counts it
     in ``num_violations`` when ``pos // block_size >= num_blocks_per_row[r]``, when the block id
     there is ``<= 0`` (the null block), or when ``pos >= max_model_len`` (if given); positions are
-    written as computed. ``num_violations`` is exact per launch: the kernel's programs publish it
-    through one atomic ticket each, so no memset is needed (this costs strict mode about half a
-    microsecond on an H200). ``accumulate_violations=True`` (strict mode, with ``out=``) instead
-    adds this launch's count to ``out.num_violations`` without a ticket, so strict mode costs
-    about what default mode does; the caller zeroes the counter when it reads it.
+    written as computed. ``num_violations`` is exact per launch: each of the kernel's programs
+    writes its count to its own slot of ``out.violation_partials`` (no atomics, no memset, so a
+    CUDA-graph replay needs nothing else), and reading ``num_violations`` sums the slots.
+    ``accumulate_violations=True`` (strict mode, with ``out=``) instead adds each program's count
+    to its slot, so ``num_violations`` counts every launch since ``out.reset_violations()``.
 
     ``out``: preallocated buffers (``DFlashInputs.empty``), filled and returned; lanes past the
     batch are padding (see ``DFlashInputs``). With ``validate=False`` no check reads tensor data,

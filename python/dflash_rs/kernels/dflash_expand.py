@@ -1,10 +1,22 @@
 """Triton kernel for the DFlash first-pass input expansion, and its launcher.
 
 Layout: one 1-D launch. The first programs each own a flat tile of query lanes (request =
-lane // (K+1), no per-request programs); the rest each own a flat tile of context lanes and find
-each lane's request in ``query_start_loc`` (one probe resolves uniform batches, a two-stage search
-resolves the rest). A launch is latency bound: tiles hold one lane per thread, every load is issued
-as early as its inputs allow, and 1024 decode requests (K=8) take 144 programs, about one wave.
+lane // (K+1), no search); the rest each own a flat tile of context lanes, whose requests form a
+contiguous run of rows. A context tile finds them with a binary search in a window of up to 64 rows
+of ``query_start_loc`` around the row a uniform batch would give the tile: three scalar loads,
+issued with the position load, say whether the window covers the tile and bring its cache lines
+into L1, so the search costs a few L1 hits instead of a chain of L2 round trips. A tile the window
+misses (skewed batches) takes the window at the coarse sample below its first lane (one more
+round trip); one that spans more rows than a window searches lane by lane. Batches of under four
+context tokens a request first probe each lane's uniform-batch row.
+
+Every program writes its strict-mode violation count (0 in default mode) to its own slot of
+``violation_partials``: no atomics and no memset; ``DFlashInputs.num_violations`` sums the slots.
+
+A launch is latency bound: tiles hold one lane per thread, every load is issued as early as its
+inputs allow, and 1024 decode requests (K=8) take 144 programs, about one wave. A query lane
+needs three dependent loads (query_start_loc, its last position, its block-table entry); a
+context lane two (its position and window, its block-table entry) plus the L1 search.
 """
 
 from __future__ import annotations
@@ -13,20 +25,26 @@ import torch
 import triton
 import triton.language as tl
 
+from dflash_rs.kernels import _grid
 from dflash_rs.kernels._validate import ExpandArgs
 from dflash_rs.kernels.result import DFlashInputs
 
 __all__ = ["launch_expand_kernel"]
 
-# One lane per thread: a launch is latency bound and a warp issues its lanes' instructions in
-# sequence, so wider tiles per thread cost more than extra programs (measured on an H200).
-QUERY_TILE = 128
-CONTEXT_TILE = 128
-# Request starts sampled by the coarse search stage; a [CONTEXT_TILE, COARSE_SAMPLES] compare.
-# 32 beat 16, 8 and a plain binary search (1) on an H200; 2-D work is costly in this kernel, so
-# it runs only in tiles whose one-probe guess missed.
+# Request starts sampled once per context tile, for skewed batches and the per-lane fallback.
 COARSE_SAMPLES = 32
+# Rows of query_start_loc a context tile's window holds: the next power of two of the rows a tile
+# spans on average plus WINDOW_MARGIN (room for the guess to be off), at most MAX_WINDOW. A tile of
+# requests of 4 or more context tokens spans at most 32 rows. The binary search costs log2(window)
+# - 1 L1 hits, and each shows on an H200: 1024 decodes of 9 tokens (14 rows a tile) ran about
+# 0.15 us faster with a 32-row window than with 64 rows (benches/gpu/sweep_expand.py).
+MAX_WINDOW = 64
+WINDOW_MARGIN = 16
+# When a tile spans more rows than this on average (under 4 context tokens a request), probe each
+# lane's uniform-batch row first; the windows serve only if a lane missed.
+PROBE_SPAN = 32
 NUM_WARPS = 4
+ZERO_TILE = 128  # violation slots past the grid that program 0 zeroes per step
 _INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
 
 
@@ -65,6 +83,32 @@ def _slot_of(
 
 
 @triton.jit
+def _search_window(
+    lanes,
+    base,
+    middle_start,
+    query_start_loc_ptr,
+    WINDOW: tl.constexpr,
+    WINDOW_LOG2: tl.constexpr,
+):
+    """Last row r in [base, base + WINDOW) with query_start_loc[r] <= lane, for lanes with
+    query_start_loc[base] <= lane: a branch-free binary search (base + WINDOW <= num_reqs + 1,
+    so its loads need no mask).
+
+    ``middle_start`` is query_start_loc[base + WINDOW // 2], loaded by the caller with the
+    window's first and next starts: those three scalar loads also bring every cache line of the
+    window into L1, so the remaining log2(WINDOW) - 1 steps are L1 hits.
+    """
+    HALF: tl.constexpr = WINDOW // 2
+    rows = tl.where(middle_start <= lanes, base + HALF, base)
+    for level in tl.static_range(1, WINDOW_LOG2):
+        probe = rows + (HALF >> level)
+        start = tl.load(query_start_loc_ptr + probe)
+        rows = tl.where(start <= lanes, probe, rows)
+    return rows
+
+
+@triton.jit
 def _search_rows(
     lanes,
     active,
@@ -74,18 +118,18 @@ def _search_rows(
     COARSE: tl.constexpr,
     FINE_STEPS: tl.constexpr,
 ):
-    """Last row r < num_reqs with query_start_loc[r] <= lane (query_start_loc sorted)."""
+    """Last row r < num_reqs with query_start_loc[r] <= lane, lane by lane (the fallback).
+
+    A compare with every STRIDE-th start picks STRIDE rows; a branch-free binary search
+    finishes there.
+    """
     STRIDE: tl.constexpr = REQ_SPAN // COARSE
-    rows = tl.zeros_like(lanes)
-    if COARSE > 1:
-        # Coarse stage: one broadcast load of every STRIDE-th start, compared in registers.
-        sample_rows = tl.arange(0, COARSE) * STRIDE
-        samples = tl.load(
-            query_start_loc_ptr + sample_rows, mask=sample_rows < num_reqs, other=_INT32_MAX
-        )
-        below = (samples[None, :] <= lanes[:, None]).to(tl.int32)
-        rows = tl.maximum(tl.sum(below, axis=1) - 1, 0) * STRIDE
-    # Fine stage: branch-free binary search within the STRIDE rows the coarse stage picked.
+    sample_rows = tl.arange(0, COARSE) * STRIDE
+    samples = tl.load(
+        query_start_loc_ptr + sample_rows, mask=sample_rows < num_reqs, other=_INT32_MAX
+    )
+    below = (samples[:, None] <= lanes[None, :]).to(tl.int32)
+    rows = tl.maximum(tl.sum(below, axis=0) - 1, 0) * STRIDE
     for level in tl.static_range(FINE_STEPS):
         probe = rows + (STRIDE >> (level + 1))
         start = tl.load(
@@ -96,16 +140,141 @@ def _search_rows(
 
 
 @triton.jit
-def _publish_violations(num_bad, num_violations_ptr, violation_scratch_ptr):
-    """Sum per-program counts with one atomic each; the last program publishes and resets."""
-    # High 32 bits count finished programs, low 32 bits count violations.
-    ticket = tl.atomic_add(violation_scratch_ptr, num_bad.to(tl.int64) + (1 << 32), sem="relaxed")
-    finished = ticket >> 32
-    if finished == tl.num_programs(0) - 1:
-        total = ticket - (finished << 32) + num_bad
-        tl.store(num_violations_ptr, total.to(tl.int32))
-        # Zero again, so the next launch (or CUDA-graph replay) needs no memset.
-        tl.atomic_xchg(violation_scratch_ptr, 0, sem="relaxed")
+def _rows_from_windows(
+    lanes,
+    searchable,
+    first_lane,
+    last_lane,
+    samples,
+    covered,
+    base,
+    middle_start,
+    query_start_loc_ptr,
+    num_reqs,
+    WINDOW: tl.constexpr,
+    WINDOW_LOG2: tl.constexpr,
+    REQ_SPAN: tl.constexpr,
+    COARSE: tl.constexpr,
+    FINE_STEPS: tl.constexpr,
+):
+    """Rows of the tile's lanes from the stage-1 window if it covers the tile, else from the
+    window at the coarse sample at or below the tile's first lane, else lane by lane."""
+    STRIDE: tl.constexpr = REQ_SPAN // COARSE
+    if covered:
+        rows = _search_window(lanes, base, middle_start, query_start_loc_ptr, WINDOW, WINDOW_LOG2)
+    else:
+        bucket = tl.sum((samples <= first_lane).to(tl.int32), axis=0) - 1
+        last_base = num_reqs + 1 - WINDOW
+        base = tl.maximum(tl.minimum(bucket * STRIDE, last_base), 0)
+        middle_start = tl.load(query_start_loc_ptr + base + WINDOW // 2)
+        window_next = tl.load(
+            query_start_loc_ptr + base + WINDOW, mask=base < last_base, other=_INT32_MAX
+        )
+        if (bucket >= 0) & (last_lane < window_next):
+            rows = _search_window(
+                lanes, base, middle_start, query_start_loc_ptr, WINDOW, WINDOW_LOG2
+            )
+        else:
+            rows = _search_rows(
+                lanes, searchable, query_start_loc_ptr, num_reqs, REQ_SPAN, COARSE, FINE_STEPS
+            )
+    return rows
+
+
+@triton.jit
+def _context_rows(
+    lanes,
+    positions,
+    first_lane,
+    in_batch,
+    query_start_loc_ptr,
+    num_reqs,
+    num_ctx,
+    rows_per_lane,
+    TILE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    WINDOW_LOG2: tl.constexpr,
+    PROBE: tl.constexpr,
+    REQ_SPAN: tl.constexpr,
+    COARSE: tl.constexpr,
+    FINE_STEPS: tl.constexpr,
+):
+    """Row of each context lane: the last r < num_reqs with query_start_loc[r] <= lane."""
+    STRIDE: tl.constexpr = REQ_SPAN // COARSE
+    HALF: tl.constexpr = WINDOW // 2
+    searchable = in_batch & (num_reqs > 0)
+    last_lane = tl.minimum(first_lane + TILE, num_ctx) - 1
+    # Every load the lookup may need is issued up front, next to the position load: the coarse
+    # samples (a lane or none per thread) and three scalars of the stage-1 window, which is
+    # centred on the uniform-batch row of the tile's middle lane (a float guess is enough:
+    # rows_per_lane = num_reqs / num_ctx) and holds rows [base, base + WINDOW), base + WINDOW
+    # <= num_reqs + 1.
+    sample_rows = tl.arange(0, COARSE) * STRIDE
+    samples = tl.load(
+        query_start_loc_ptr + sample_rows, mask=sample_rows < num_reqs, other=_INT32_MAX
+    )
+    last_base = num_reqs + 1 - WINDOW
+    guess = (((first_lane + last_lane) // 2).to(tl.float32) * rows_per_lane).to(tl.int32)
+    base = tl.maximum(tl.minimum(guess - HALF, last_base), 0)
+    window_first = tl.load(query_start_loc_ptr + base)
+    middle_start = tl.load(query_start_loc_ptr + base + HALF)
+    window_next = tl.load(
+        query_start_loc_ptr + base + WINDOW, mask=base < last_base, other=_INT32_MAX
+    )
+    # Both conditions below read all three scalars (the extra terms are false for a sorted
+    # query_start_loc), so the compiler cannot sink their loads behind a branch.
+    unsorted = (middle_start < window_first) | (window_next < middle_start)
+    covered = (window_first <= first_lane) & (last_lane < window_next) & (unsorted == 0)
+    # A lane with a negative position gets no slot in any mode, so its row does not matter:
+    # searching first_lane for it makes the search wait for the position load, which keeps the
+    # compiler from issuing that load only after the search.
+    search_lanes = tl.where(positions < 0, first_lane, lanes)
+    if PROBE:
+        # About one row per lane or more (or chosen): probe each lane's uniform-batch row,
+        # lane * num_reqs // num_ctx, exact for uniform batches; the windows if any lane missed.
+        probe = (lanes.to(tl.int64) * num_reqs // tl.maximum(num_ctx, 1)).to(tl.int32)
+        probe = tl.minimum(probe, num_reqs - 1)
+        probe_start = tl.load(query_start_loc_ptr + probe, mask=searchable, other=0)
+        probe_end = tl.load(query_start_loc_ptr + probe + 1, mask=searchable, other=0)
+        missed = searchable & ((probe_start > lanes) | (lanes >= probe_end))
+        rows = probe
+        if (tl.max(missed.to(tl.int32), axis=0) > 0) | unsorted:
+            rows = _rows_from_windows(
+                search_lanes,
+                searchable,
+                first_lane,
+                last_lane,
+                samples,
+                covered,
+                base,
+                middle_start,
+                query_start_loc_ptr,
+                num_reqs,
+                WINDOW,
+                WINDOW_LOG2,
+                REQ_SPAN,
+                COARSE,
+                FINE_STEPS,
+            )
+    else:
+        rows = _rows_from_windows(
+            search_lanes,
+            searchable,
+            first_lane,
+            last_lane,
+            samples,
+            covered,
+            base,
+            middle_start,
+            query_start_loc_ptr,
+            num_reqs,
+            WINDOW,
+            WINDOW_LOG2,
+            REQ_SPAN,
+            COARSE,
+            FINE_STEPS,
+        )
+    return rows
 
 
 @triton.jit
@@ -194,12 +363,16 @@ def _expand_context_tile(
     context_slots_ptr,
     num_reqs,
     num_ctx,
+    rows_per_lane,
     context_capacity,
     table_stride,
     table_width,
     max_model_len,
     KV_BLOCK: tl.constexpr,
     TILE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    WINDOW_LOG2: tl.constexpr,
+    PROBE: tl.constexpr,
     REQ_SPAN: tl.constexpr,
     COARSE: tl.constexpr,
     FINE_STEPS: tl.constexpr,
@@ -207,24 +380,30 @@ def _expand_context_tile(
     HAS_MAX_LEN: tl.constexpr,
 ):
     """Context lanes: positions are copied, rows found in query_start_loc; returns violations."""
-    lanes = tile * TILE + tl.arange(0, TILE)
+    first_lane = tile * TILE
+    lanes = first_lane + tl.arange(0, TILE)
     in_capacity = lanes < context_capacity
     in_batch = lanes < num_ctx
     positions = tl.load(target_positions_ptr + lanes, mask=in_batch, other=0)
     batch_start = tl.load(query_start_loc_ptr)
     batch_end = tl.load(query_start_loc_ptr + num_reqs)
-    searchable = in_batch & (num_reqs > 0)
-    # Probe: in a uniform batch (equal context lengths) row = lane * num_reqs // num_ctx.
-    guess = (lanes.to(tl.int64) * num_reqs // tl.maximum(num_ctx, 1)).to(tl.int32)
-    guess = tl.minimum(guess, num_reqs - 1)
-    guess_start = tl.load(query_start_loc_ptr + guess, mask=searchable, other=0)
-    guess_end = tl.load(query_start_loc_ptr + guess + 1, mask=searchable, other=0)
-    missed = searchable & ((guess_start > lanes) | (lanes >= guess_end))
-    rows = guess
-    if tl.max(missed.to(tl.int32), axis=0) > 0:
-        rows = _search_rows(
-            lanes, searchable, query_start_loc_ptr, num_reqs, REQ_SPAN, COARSE, FINE_STEPS
-        )
+    rows = _context_rows(
+        lanes,
+        positions,
+        first_lane,
+        in_batch,
+        query_start_loc_ptr,
+        num_reqs,
+        num_ctx,
+        rows_per_lane,
+        TILE,
+        WINDOW,
+        WINDOW_LOG2,
+        PROBE,
+        REQ_SPAN,
+        COARSE,
+        FINE_STEPS,
+    )
     live = in_batch & (lanes >= batch_start) & (lanes < batch_end)
     owned_blocks = 0
     if STRICT:
@@ -251,9 +430,12 @@ def _expand_context_tile(
     do_not_specialize=[
         "num_reqs",
         "num_ctx",
+        "rows_per_lane",
         "query_capacity",
         "context_capacity",
         "num_query_programs",
+        "num_programs",
+        "num_slots",
         "mask_token_id",
         "max_model_len",
     ]
@@ -271,21 +453,26 @@ def _dflash_expand_kernel(
     context_positions_ptr,
     context_slots_ptr,
     token_indices_ptr,
-    num_violations_ptr,
-    violation_scratch_ptr,
+    violation_partials_ptr,
     num_reqs,
     num_ctx,
+    rows_per_lane,
     query_capacity,
     context_capacity,
     num_query_programs,
+    num_programs,
+    num_slots,
     table_stride,
     table_width,
     mask_token_id,
     max_model_len,
     NUM_SPEC: tl.constexpr,
     KV_BLOCK: tl.constexpr,
-    QUERY_TILE_: tl.constexpr,
-    CONTEXT_TILE_: tl.constexpr,
+    QUERY_TILE: tl.constexpr,
+    CONTEXT_TILE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    WINDOW_LOG2: tl.constexpr,
+    PROBE: tl.constexpr,
     REQ_SPAN: tl.constexpr,
     COARSE: tl.constexpr,
     FINE_STEPS: tl.constexpr,
@@ -293,8 +480,13 @@ def _dflash_expand_kernel(
     STRICT: tl.constexpr,
     HAS_MAX_LEN: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    ZERO_TILE_: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    previous = 0
+    if ACCUMULATE:
+        # Issued first, so it overlaps the tile's loads; the slot is this program's alone.
+        previous = tl.load(violation_partials_ptr + pid)
     if pid < num_query_programs:
         num_bad = _expand_query_tile(
             pid,
@@ -317,7 +509,7 @@ def _dflash_expand_kernel(
             max_model_len,
             NUM_SPEC,
             KV_BLOCK,
-            QUERY_TILE_,
+            QUERY_TILE,
             HAS_REJECTED,
             STRICT,
             HAS_MAX_LEN,
@@ -333,27 +525,35 @@ def _dflash_expand_kernel(
             context_slots_ptr,
             num_reqs,
             num_ctx,
+            rows_per_lane,
             context_capacity,
             table_stride,
             table_width,
             max_model_len,
             KV_BLOCK,
-            CONTEXT_TILE_,
+            CONTEXT_TILE,
+            WINDOW,
+            WINDOW_LOG2,
+            PROBE,
             REQ_SPAN,
             COARSE,
             FINE_STEPS,
             STRICT,
             HAS_MAX_LEN,
         )
+    # Each program owns one slot: a plain store, no atomics, and no memset before a launch.
     if STRICT:
-        if ACCUMULATE:
-            # No zeroing, no ticket: only programs that found violations touch the counter.
-            if num_bad > 0:
-                tl.atomic_add(num_violations_ptr, num_bad, sem="relaxed")
-        else:
-            _publish_violations(num_bad, num_violations_ptr, violation_scratch_ptr)
-    elif pid == 0:
-        tl.store(num_violations_ptr, 0)
+        tl.store(violation_partials_ptr + pid, previous + num_bad)
+    else:
+        tl.store(violation_partials_ptr + pid, 0)
+    if not ACCUMULATE:
+        if pid == 0:
+            # Slots past this grid (buffers shared with a larger DFlashInputs) must read 0 too.
+            first = num_programs
+            while first < num_slots:  # (a while loop also runs under TRITON_INTERPRET=1)
+                slots = first + tl.arange(0, ZERO_TILE_)
+                tl.store(violation_partials_ptr + slots, 0, mask=slots < num_slots)
+                first += ZERO_TILE_
 
 
 def _next_power_of_2(value: int) -> int:
@@ -365,17 +565,28 @@ def launch_expand_kernel(args: ExpandArgs) -> DFlashInputs:
     out = args.out
     query_capacity = out.input_ids.numel()
     context_capacity = out.context_positions.numel()
-    num_query_programs = triton.cdiv(query_capacity, QUERY_TILE)
-    num_context_programs = triton.cdiv(context_capacity, CONTEXT_TILE)
-    # At least one program: it writes num_violations even for an empty batch.
-    grid = (max(1, num_query_programs + num_context_programs),)
+    query_tile, context_tile = _grid.QUERY_TILE, _grid.CONTEXT_TILE
+    num_query_programs = triton.cdiv(query_capacity, query_tile)
+    # At least one program: it writes the violation slots even for an empty batch.
+    grid = (_grid.num_programs(query_capacity, context_capacity),)
     req_span = max(COARSE_SAMPLES, _next_power_of_2(args.num_reqs))
     fine_steps = (req_span // COARSE_SAMPLES).bit_length() - 1
+    # Rows a context tile spans on average.
+    span = context_tile * args.num_reqs / max(args.num_ctx, 1)
+    probe = span > PROBE_SPAN
+    # Those rows plus room for the guess to be off; at most MAX_WINDOW, and at most the largest
+    # power of two that fits query_start_loc (the search's loads have no mask).
+    window = min(
+        MAX_WINDOW,
+        _next_power_of_2(int(span) + WINDOW_MARGIN),
+        1 << (args.num_reqs + 1).bit_length() - 1,
+    )
     # Absent optional inputs: any valid pointer; the constexpr flags compile their loads away.
     placeholder = args.next_token_ids
     num_rejected = args.num_rejected_tokens
     per_row = args.num_blocks_per_row
     table = args.block_table
+    partials = out.violation_partials
 
     def launch() -> None:
         _dflash_expand_kernel[grid](
@@ -391,21 +602,26 @@ def launch_expand_kernel(args: ExpandArgs) -> DFlashInputs:
             out.context_positions,
             out.context_slot_mapping,
             out.token_indices_to_sample,
-            out.num_violations,
-            out.violation_scratch,
+            partials,
             args.num_reqs,
             args.num_ctx,
+            args.num_reqs / max(args.num_ctx, 1),
             query_capacity,
             context_capacity,
             num_query_programs,
+            grid[0],
+            partials.numel(),
             table.stride(0),
             table.shape[1],
             args.mask_token_id,
             args.max_model_len if args.max_model_len is not None else 0,
             NUM_SPEC=args.num_speculative_tokens,
             KV_BLOCK=args.block_size,
-            QUERY_TILE_=QUERY_TILE,
-            CONTEXT_TILE_=CONTEXT_TILE,
+            QUERY_TILE=query_tile,
+            CONTEXT_TILE=context_tile,
+            WINDOW=window,
+            WINDOW_LOG2=window.bit_length() - 1,
+            PROBE=probe,
             REQ_SPAN=req_span,
             COARSE=COARSE_SAMPLES,
             FINE_STEPS=fine_steps,
@@ -413,6 +629,7 @@ def launch_expand_kernel(args: ExpandArgs) -> DFlashInputs:
             STRICT=per_row is not None,
             HAS_MAX_LEN=args.max_model_len is not None,
             ACCUMULATE=args.accumulate_violations,
+            ZERO_TILE_=ZERO_TILE,
             num_warps=NUM_WARPS,
         )
 

@@ -111,10 +111,13 @@ def _expand_context(args: ExpandArgs) -> torch.Tensor:
 def run_reference(args: ExpandArgs) -> DFlashInputs:
     """Fill ``args.out`` with the pure-torch expansion and return it."""
     violations = (_expand_queries(args).sum() + _expand_context(args).sum()).reshape(1)
+    partials = args.out.violation_partials
     if args.accumulate_violations:
-        args.out.num_violations.add_(violations.to(torch.int32))
+        partials[:1].add_(violations.to(torch.int32))
     else:
-        args.out.num_violations.copy_(violations)
+        # Same convention as the kernel: every slot written, the count in slot 0.
+        partials.zero_()
+        partials[:1].copy_(violations)
     return args.out
 
 

@@ -8,6 +8,8 @@ from typing import Union
 
 import torch
 
+from dflash_rs.kernels._grid import num_programs
+
 __all__ = ["PAD_POSITION", "PAD_SLOT_ID", "PAD_TOKEN_ID", "DFlashInputs"]
 
 PAD_SLOT_ID = -1
@@ -39,11 +41,11 @@ class DFlashInputs:
     context_positions: torch.Tensor  # int64 [cap_ctx]
     context_slot_mapping: torch.Tensor  # int64 [cap_ctx]
     token_indices_to_sample: torch.Tensor  # int32 [cap_reqs * K]
-    num_violations: torch.Tensor  # int32 [1], strict-mode lanes mapped to PAD_SLOT_ID
     num_speculative_tokens: int
-    # Kernel-private int64 [1] accumulator; must be zero before a launch and every strict launch
-    # leaves it zero again, so CUDA-graph replays need no memset.
-    violation_scratch: torch.Tensor = dataclasses.field(repr=False, compare=False)
+    # int32 [>= programs of a launch]: program p writes its count of strict-mode violations to
+    # slot p (0 in default mode; a launch also zeroes any slot past its grid), so a launch or a
+    # CUDA-graph replay needs no memset and no atomics. ``num_violations`` sums it.
+    violation_partials: torch.Tensor = dataclasses.field(repr=False, compare=False)
 
     @classmethod
     def empty(
@@ -55,9 +57,10 @@ class DFlashInputs:
     ) -> DFlashInputs:
         """Allocate buffers for up to ``max_num_reqs`` requests and ``max_num_ctx`` context tokens.
 
-        Contents are uninitialised except the violation counter and its scratch (zeros).
+        Contents are uninitialised except the per-program violation counts (zeros).
         """
         num_query = max_num_reqs * (num_speculative_tokens + 1)
+        num_slots = num_programs(num_query, max_num_ctx)
 
         def alloc(n: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(n, dtype=dtype, device=device)
@@ -69,10 +72,25 @@ class DFlashInputs:
             context_positions=alloc(max_num_ctx, torch.int64),
             context_slot_mapping=alloc(max_num_ctx, torch.int64),
             token_indices_to_sample=alloc(max_num_reqs * num_speculative_tokens, torch.int32),
-            num_violations=torch.zeros(1, dtype=torch.int32, device=device),
             num_speculative_tokens=num_speculative_tokens,
-            violation_scratch=torch.zeros(1, dtype=torch.int64, device=device),
+            violation_partials=torch.zeros(num_slots, dtype=torch.int32, device=device),
         )
+
+    @property
+    def num_violations(self) -> torch.Tensor:
+        """int32 [1]: strict-mode lanes mapped to ``PAD_SLOT_ID`` by the last launch into these
+        buffers (0 after a default-mode launch), or, with ``accumulate_violations=True``, by every
+        launch since :meth:`reset_violations`.
+
+        Computed when read (a torch sum over ``violation_partials``, on their device), so it
+        reflects the latest launch or CUDA-graph replay; it is a new tensor on every read, and
+        writing to it changes nothing.
+        """
+        return self.violation_partials.sum(dtype=torch.int32).reshape(1)
+
+    def reset_violations(self) -> None:
+        """Zero the violation counts (what an accumulating caller does after reading them)."""
+        self.violation_partials.zero_()
 
     @property
     def max_num_reqs(self) -> int:
