@@ -305,28 +305,40 @@ impl KvCacheManager {
         self.pool
             .get_new_blocks(num_new_blocks, &mut req.block_ids)?;
 
-        if self.pool.caching_enabled() {
-            let num_full = main.min(seq.num_tokens()) / self.block_size;
-            if req.num_cached_blocks < num_full {
-                let range = req.num_cached_blocks..num_full;
-                let src = BlockSource {
-                    tokens: seq.tokens,
-                    first: range.start,
-                    parent: range
-                        .start
-                        .checked_sub(1)
-                        .map_or(NULL_BLOCK, |p| req.block_ids[p]),
-                    extra: seq.extra,
-                };
-                self.pool.cache_full_blocks(
-                    &req.block_ids[range.clone()],
-                    &seq.block_hashes[range],
-                    src,
-                );
-                req.num_cached_blocks = num_full;
-            }
-        }
+        self.cache_blocks(req, seq, main);
         Ok(Some(first_new))
+    }
+
+    /// Registers in the prefix cache every block of `req` that is full of known tokens below
+    /// `num_tokens` (whose KV is, or is being, computed) and not registered yet. Never drafts or
+    /// lookahead slots.
+    pub fn cache_blocks(&mut self, req: &mut RequestBlocks, seq: SequenceView<'_>, num_tokens: usize) {
+        if !self.pool.caching_enabled() {
+            return;
+        }
+        let bs = self.block_size;
+        let num_full = (num_tokens.min(seq.num_tokens()) / bs)
+            .min(req.block_ids.len())
+            .min(seq.block_hashes.len());
+        if req.num_cached_blocks >= num_full {
+            return;
+        }
+        let range = req.num_cached_blocks..num_full;
+        let src = BlockSource {
+            tokens: seq.tokens,
+            first: range.start,
+            parent: range
+                .start
+                .checked_sub(1)
+                .map_or(NULL_BLOCK, |p| req.block_ids[p]),
+            extra: seq.extra,
+        };
+        self.pool.cache_full_blocks(
+            &req.block_ids[range.clone()],
+            &seq.block_hashes[range],
+            src,
+        );
+        req.num_cached_blocks = num_full;
     }
 
     /// Withdraws from the prefix cache the blocks `req` registered from index `from` on, when

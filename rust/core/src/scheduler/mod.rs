@@ -47,6 +47,9 @@ pub struct SchedulerStats {
 struct InFlightEntry {
     slot: u32,
     generation: u32,
+    /// Position in scheduling order (running requests first, then admissions), which is the
+    /// order vLLM processes outputs in; batch order is block-table row order.
+    rank: u32,
     num_spec_tokens: u32,
     is_prefill_chunk: bool,
 }
@@ -72,6 +75,8 @@ struct StepScratch {
     cached_before: Vec<u32>,
     /// Draft tokens scheduled per slot.
     spec: Vec<Vec<u32>>,
+    /// Position in this step's scheduling order, per scheduled slot.
+    rank: Vec<u32>,
     hits: Vec<u32>,
 }
 
@@ -84,6 +89,7 @@ impl StepScratch {
             self.computed_before.resize(num_slots, 0);
             self.cached_before.resize(num_slots, 0);
             self.spec.resize(num_slots, Vec::new());
+            self.rank.resize(num_slots, 0);
         }
     }
 
@@ -605,6 +611,9 @@ impl Scheduler {
         out.step_id = step_id;
         out.num_lookahead_tokens = self.lookahead_tokens();
         out.query_start_loc.push(0);
+        for (rank, &slot) in scheduled_order.iter().enumerate() {
+            self.scratch.rank[slot as usize] = rank as u32;
+        }
         let mut entries = Vec::with_capacity(scheduled_order.len());
         let mut total = 0usize;
         for i in 0..scheduled_order.len() {
@@ -634,6 +643,7 @@ impl Scheduler {
             entries.push(InFlightEntry {
                 slot,
                 generation,
+                rank: self.scratch.rank[s],
                 num_spec_tokens: spec.len() as u32,
                 is_prefill_chunk: r.is_prefill_chunk,
             });

@@ -1,7 +1,9 @@
 //! Applying the model's output to the scheduler: rejected drafts, accepted tokens, stops.
 
 use crate::error::{broken, invalid, CoreError, CoreResult};
+use crate::kv_manager::SequenceView;
 use crate::output::{RequestUpdate, UpdateOutput};
+use crate::request::{FinishReason, RequestStatus};
 
 use super::Scheduler;
 
@@ -65,6 +67,8 @@ impl Scheduler {
             .pop_front()
             .ok_or_else(|| broken!("in-flight step vanished"))?;
         let max_model_len = self.config.max_model_len;
+        let cache_at_update = self.config.num_speculative_tokens > 0;
+        let mut finished: Vec<(u32, u32, FinishReason)> = Vec::new();
         let mut start = 0usize;
         for (e, &count) in step.entries.iter().zip(counts) {
             let sampled = &tokens[start..start + count as usize];
@@ -91,6 +95,7 @@ impl Scheduler {
                 }
             }
             let tokens_start = out.new_token_ids.len() as u32;
+            let was_running = r.status == RequestStatus::Running;
             let mut finish = None;
             for &t in sampled {
                 out.new_token_ids.push(t);
@@ -98,6 +103,18 @@ impl Scheduler {
                 if finish.is_some() {
                     break;
                 }
+            }
+            if cache_at_update && was_running {
+                // As vLLM 0.33 does with speculative decoding: register the blocks that the
+                // accepted tokens filled now, not at the next allocation, so they stay
+                // cached if the request is preempted or finishes before that.
+                let seq = SequenceView {
+                    tokens: &r.tokens,
+                    block_hashes: &r.block_hashes,
+                    extra: &r.spec.extra,
+                };
+                self.kv
+                    .cache_blocks(&mut r.blocks, seq, r.num_computed_tokens);
             }
             let stop_token = r.stop_token;
             out.updates.push(RequestUpdate {
@@ -108,8 +125,14 @@ impl Scheduler {
                 stop_token,
             });
             if let Some(reason) = finish {
-                self.finish(e.slot, reason)?;
+                finished.push((e.rank, e.slot, reason));
             }
+        }
+        // Free finished requests in scheduling order, as vLLM does: the order decides the free
+        // queue's order and so which blocks later requests get.
+        finished.sort_unstable_by_key(|&(rank, _, _)| rank);
+        for (_, slot, reason) in finished {
+            self.finish(slot, reason)?;
         }
         Ok(())
     }
