@@ -3,6 +3,7 @@
 ``dflash-rs simulate`` is the main job: a serving simulation on the real scheduler, DFlash
 kernel and a paged KV cache that proves KV integrity. ``dflash-rs demo`` shows block tables.
 ``dflash-rs bench`` times the scheduler per step, optionally next to vLLM's.
+``dflash-rs soak`` pushes a million requests through the scheduler alone and checks for leaks.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Optional, Sequence
 from dflash_rs import demo
 from dflash_rs.bench import cli as bench
 from dflash_rs.sim import cli as simulate
+from dflash_rs.sim import soak
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(run=bench.run)
+    soak_parser = sub.add_parser(
+        "soak",
+        help="push many requests through the scheduler alone under memory pressure; checks "
+        "ownership, leaks and RSS growth",
+        description=soak.__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    soak.add_arguments(soak_parser)
+    soak_parser.set_defaults(run=soak.run)
     return parser
 
 
@@ -48,7 +59,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv or ["simulate"])
     if args.command is None:  # options only, e.g. ``dflash-rs --seed 3``: not accepted
-        build_parser().error("a command is required (simulate, demo or bench)")
+        build_parser().error("a command is required (simulate, demo, bench or soak)")
     return int(args.run(args))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -11,6 +13,17 @@ from dflash_rs.errors import InvalidArgumentError
 __all__ = ["ModelRunnerOutput", "Request"]
 
 _MAX_TOKEN_ID = 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    """An int in ``[minimum, 2**63 - 1]`` (the scheduler stores 64-bit values)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an int")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+    if value > _INT64_MAX:
+        raise InvalidArgumentError(f"{name} must be <= 2**63 - 1, got {value}")
 
 
 def _check_token(name: str, value: Any) -> None:
@@ -40,16 +53,13 @@ class Request:
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise InvalidArgumentError("request_id must be a non-empty string")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise InvalidArgumentError("max_tokens must be an int")
-        if self.max_tokens < 1:
-            raise InvalidArgumentError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
-            raise InvalidArgumentError("min_tokens must be an int")
-        if self.min_tokens < 0:
-            raise InvalidArgumentError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise InvalidArgumentError("priority must be an int")
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
+        _check_int("priority", self.priority, _INT64_MIN)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgumentError(
+                f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}"
+            )
         if self.eos_token_id is not None:
             _check_token("eos_token_id", self.eos_token_id)
         self.stop_token_ids = tuple(self.stop_token_ids)
@@ -57,6 +67,12 @@ class Request:
             _check_token("stop_token_ids[...]", t)
         if self.arrival_time is None:
             self.arrival_time = time.time()
+        elif isinstance(self.arrival_time, bool) or not isinstance(self.arrival_time, numbers.Real):
+            raise InvalidArgumentError(
+                f"arrival_time must be a number or None, got {type(self.arrival_time).__name__}"
+            )
+        elif not math.isfinite(self.arrival_time):
+            raise InvalidArgumentError(f"arrival_time must be finite, got {self.arrival_time}")
         for name in ("lora_name", "cache_salt"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

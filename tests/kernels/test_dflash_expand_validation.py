@@ -37,6 +37,11 @@ def _i32(values, device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as ``t``, as a non-contiguous view (every other element)."""
+    return torch.stack([t, t], dim=-1)[..., 0]
+
+
 # (name, change to the good call, expected message fragment)
 STRUCTURAL = [
     (
@@ -159,6 +164,94 @@ STRUCTURAL = [
         "accumulate_violations needs out=",
     ),
     ("out type", lambda a: a.update(out=object()), "out must be a DFlashInputs"),
+    (
+        "ids 2-D",
+        lambda a: a.update(next_token_ids=a["next_token_ids"][None]),
+        "next_token_ids must be 1-D, got shape (1, 2)",
+    ),
+    (
+        "ids list",
+        lambda a: a.update(next_token_ids=[7, 8]),
+        "next_token_ids must be a torch.Tensor, got list",
+    ),
+    (
+        "table numpy",
+        lambda a: a.update(block_table=a["block_table"].cpu().numpy()),
+        "block_table must be a torch.Tensor, got ndarray",
+    ),
+    (
+        "ids strided",
+        lambda a: a.update(next_token_ids=_strided(a["next_token_ids"])),
+        "next_token_ids must be contiguous",
+    ),
+    (
+        "positions strided",
+        lambda a: a.update(target_positions=_strided(a["target_positions"])),
+        "target_positions must be contiguous",
+    ),
+    (
+        "rejected strided",
+        lambda a: a.update(
+            num_rejected_tokens=_strided(_i32([0, 0], a["block_table"].device)),
+        ),
+        "num_rejected_tokens must be contiguous",
+    ),
+    (
+        "per-row strided",
+        lambda a: a.update(num_blocks_per_row=_strided(_i32([1, 1], a["block_table"].device))),
+        "num_blocks_per_row must be contiguous",
+    ),
+    (
+        "rejected 2-D",
+        lambda a: a.update(num_rejected_tokens=_i32([[0, 0]], a["block_table"].device)),
+        "num_rejected_tokens must be 1-D",
+    ),
+    (
+        "table overlapping rows",
+        lambda a: a.update(block_table=a["block_table"].flatten().as_strided((2, 2), (1, 1))),
+        "block_table row stride 1 is smaller than its width 2",
+    ),
+    (
+        "qsl device",
+        lambda a: a.update(query_start_loc=torch.empty(3, dtype=torch.int32, device="meta")),
+        "query_start_loc is on meta",
+    ),
+    (
+        "table device",
+        lambda a: a.update(block_table=torch.empty((2, 2), dtype=torch.int32, device="meta")),
+        "block_table is on meta",
+    ),
+    (
+        "rejected device",
+        lambda a: a.update(num_rejected_tokens=torch.empty(2, dtype=torch.int32, device="meta")),
+        "num_rejected_tokens is on meta",
+    ),
+    (
+        "per-row device",
+        lambda a: a.update(num_blocks_per_row=torch.empty(2, dtype=torch.int32, device="meta")),
+        "num_blocks_per_row is on meta",
+    ),
+    (
+        "out device",
+        lambda a: a.update(out=DFlashInputs.empty(2, 5, 2, "meta")),
+        "out.input_ids is on meta",
+    ),
+    (
+        "K huge",
+        lambda a: a.update(num_speculative_tokens=2**31),
+        "num_speculative_tokens must be in [1, 2147483647], got 2147483648",
+    ),
+    ("K negative", lambda a: a.update(num_speculative_tokens=-1), "num_speculative_tokens"),
+    ("block size huge", lambda a: a.update(block_size=2**31), "block_size must be in [1"),
+    ("block size bool", lambda a: a.update(block_size=True), "block_size must be an integer"),
+    ("mask id float", lambda a: a.update(mask_token_id=99.0), "mask_token_id must be an integer"),
+    (
+        "max_model_len float",
+        lambda a: a.update(
+            max_model_len=8.0, num_blocks_per_row=_i32([1, 1], a["block_table"].device)
+        ),
+        "max_model_len must be an integer",
+    ),
     (
         "out K",
         lambda a: a.update(out=DFlashInputs.empty(2, 5, 3, a["block_table"].device)),

@@ -91,6 +91,11 @@ CASES = {
     "num-cached-unknown-id": Case(
         lambda m: m.num_cached_blocks("nope"), UnknownRequestError, "unknown request id"
     ),
+    "free-empty-id": Case(lambda m: m.free(""), UnknownRequestError, 'unknown request id ""'),
+    "get-computed-empty-id": Case(
+        lambda m: m.get_computed_blocks(""), UnknownRequestError, 'unknown request id ""'
+    ),
+    "alloc-empty-id": Case(alloc(""), UnknownRequestError, 'unknown request id ""'),
     # ---- add_request
     "duplicate-id": Case(
         lambda m: m.add_request("held", [1]), DuplicateRequestError, 'request id "held"'
@@ -155,6 +160,7 @@ CASES = {
         "1099511627776",
     ),
     "request-id-int": Case(lambda m: m.add_request(5, [1]), TypeError, "str"),
+    "request-id-none": Case(lambda m: m.add_request(None, [1]), TypeError, "str"),
     "cache-salt-int": Case(lambda m: m.add_request("x", [1], cache_salt=5), TypeError, "str"),
     "lora-name-int": Case(lambda m: m.add_request("x", [1], lora_name=5), TypeError, "str"),
     # ---- append_token_ids (all-or-nothing: a bad token later in the list appends nothing)
@@ -169,6 +175,14 @@ CASES = {
     "append-str": Case(lambda m: m.append_token_ids("held", "abc"), InvalidArgumentError, "string"),
     "append-float": Case(
         lambda m: m.append_token_ids("held", [1.5]), InvalidArgumentError, "token_ids"
+    ),
+    "append-token-2**31": Case(
+        lambda m: m.append_token_ids("held", [1, 2**31]), InvalidArgumentError, "2147483648"
+    ),
+    "append-numpy-2-d": Case(
+        lambda m: m.append_token_ids("held", np.array([[1]], dtype=np.int32)),
+        InvalidArgumentError,
+        "1-D",
     ),
     # ---- allocate_slots: counts
     "negative-new-tokens": Case(alloc("fresh", -1), InvalidArgumentError, "num_new_tokens"),
@@ -186,6 +200,21 @@ CASES = {
         alloc("fresh", num_lookahead_tokens=-1), InvalidArgumentError, "num_lookahead_tokens"
     ),
     "over-max-model-len-new": Case(alloc("fresh", MML + 1), PromptTooLongError, "max_model_len"),
+    "huge-new-tokens": Case(alloc("fresh", 2**40), PromptTooLongError, "1099511627776"),
+    "huge-computed": Case(
+        alloc("held", num_computed_tokens=2**63 - 1), InvalidArgumentError, "9223372036854775807"
+    ),
+    "huge-new-tokens-beyond-int64": Case(
+        alloc("fresh", 2**70), InvalidArgumentError, "1180591620717411303424 is out of range"
+    ),
+    "huge-lookahead-beyond-int64": Case(
+        alloc("fresh", num_lookahead_tokens=2**70), InvalidArgumentError, "[-2**63, 2**63 - 1]"
+    ),
+    "negative-new-computed-beyond-int64": Case(
+        alloc("fresh", num_new_computed_tokens=-(2**70)),
+        InvalidArgumentError,
+        "-1180591620717411303424 is out of range",
+    ),
     "over-max-model-len-running": Case(
         alloc("held", MML - 9 + 1, num_computed_tokens=9), PromptTooLongError, "max_model_len"
     ),
@@ -246,15 +275,19 @@ CASES = {
         "Sequence",
     ),
     "hits-float-ids": Case(hits("fresh", [1.0]), TypeError, "integer"),
+    "new-tokens-bool": Case(alloc("fresh", True), InvalidArgumentError, "got the bool True"),
     # ---- debug helpers
     "ref-count-out-of-range": Case(lambda m: m.ref_count(11), InvalidArgumentError, "range"),
     "ref-count-negative": Case(lambda m: m.ref_count(-1), InvalidArgumentError, "range"),
     "block-hash-out-of-range": Case(lambda m: m.block_hash(11), InvalidArgumentError, "range"),
+    "block-hash-negative": Case(lambda m: m.block_hash(-1), InvalidArgumentError, "range"),
+    "ref-count-huge": Case(lambda m: m.ref_count(2**40), InvalidArgumentError, "range"),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
-def test_bad_input_raises_and_changes_nothing(case: Case) -> None:
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_raises_and_changes_nothing(name: str) -> None:
+    case = CASES[name]
     m = populated(case.caching)
     before = snapshot(m)
     with pytest.raises(case.exc, match=re.escape(case.fragment)) as info:
@@ -298,6 +331,20 @@ def test_bad_input_raises_and_changes_nothing(case: Case) -> None:
         ),
         pytest.param((11.0, 4, 64), {}, TypeError, "integer", id="num-blocks-float"),
         pytest.param((11, "4", 64), {}, TypeError, "integer", id="block-size-str"),
+        pytest.param((11, 4, -1), {}, InvalidArgumentError, "max_model_len", id="mml-neg"),
+        pytest.param(
+            (11, 4, 64), {"hash_seed": 1.5}, InvalidArgumentError, "hash_seed", id="seed-float"
+        ),
+        pytest.param(
+            (11, 4, 64), {"enable_prefix_caching": "no"}, TypeError, "bool", id="caching-str"
+        ),
+        pytest.param(
+            (2**70, 4, 64), {}, InvalidArgumentError, "out of range", id="num-blocks-2**70"
+        ),
+        pytest.param((11, 4, 2**70), {}, InvalidArgumentError, "out of range", id="mml-2**70"),
+        pytest.param(
+            (11, True, 64), {}, InvalidArgumentError, "got the bool True", id="block-size-bool"
+        ),
     ],
 )
 def test_bad_constructor_arguments(
@@ -305,6 +352,29 @@ def test_bad_constructor_arguments(
 ) -> None:
     with pytest.raises(exc, match=re.escape(fragment)):
         KVCacheManager(*args, **kwargs)
+
+
+def test_non_contiguous_token_arrays_are_read_by_value() -> None:
+    """Strided numpy views (every other element) are read element by element, not as the raw
+    buffer: the request sees the same tokens and hashes as with a list."""
+    tokens = np.arange(40, dtype=np.int64)[::2]
+    assert not tokens.flags.c_contiguous
+    strided = KVCacheManager(11, BS, MML, hash_seed=0)
+    listed = KVCacheManager(11, BS, MML, hash_seed=0)
+    strided.add_request("a", tokens)
+    listed.add_request("a", tokens.tolist())
+    strided.append_token_ids("a", np.arange(6, dtype=np.int32)[::-2])
+    listed.append_token_ids("a", [5, 3, 1])
+    assert strided.num_tokens("a") == listed.num_tokens("a") == 23
+    assert strided.block_hashes("a") == listed.block_hashes("a")
+
+
+def test_non_power_of_two_block_size_is_supported() -> None:
+    """No power-of-two requirement: 3-token blocks allocate cdiv(n, 3) blocks."""
+    m = KVCacheManager(11, 3, MML)
+    m.add_request("a", list(range(7)))
+    assert m.allocate_slots("a", 7, num_computed_tokens=0, num_lookahead_tokens=3) == [1, 2, 3, 4]
+    m.check_invariants()
 
 
 def test_error_hierarchy() -> None:

@@ -21,6 +21,7 @@ from dflash_rs import (
     DuplicateRequestError,
     InvalidArgumentError,
     ModelRunnerOutput,
+    OutOfBlocksError,
     PromptTooLongError,
     Request,
     Scheduler,
@@ -284,6 +285,106 @@ CASES: Dict[str, Case] = {
         InvalidArgumentError,
         "arrival_time must be finite",
     ),
+    "id not a str (Request)": Case(
+        lambda s, o: s.add_request(Request(5, [1, 2], 4)),
+        InvalidArgumentError,
+        "request_id must be a non-empty string",
+    ),
+    "max_tokens negative (Request)": Case(
+        lambda s, o: s.add_request(Request("m", [1], -1)),
+        InvalidArgumentError,
+        "max_tokens must be >= 1, got -1",
+    ),
+    "max_tokens bool (Request)": Case(
+        lambda s, o: s.add_request(Request("m", [1], True)),
+        InvalidArgumentError,
+        "max_tokens must be an int",
+    ),
+    "max_tokens huge (Request)": Case(
+        lambda s, o: s.add_request(Request("m", [1], 2**70)),
+        InvalidArgumentError,
+        "max_tokens must be <= 2**63 - 1",
+    ),
+    "max_tokens huge (duck)": Case(
+        lambda s, o: s.add_request(duck_request(max_tokens=2**70)),
+        InvalidArgumentError,
+        "max_tokens = 1180591620717411303424 is out of range",
+    ),
+    "min_tokens negative (Request)": Case(
+        lambda s, o: s.add_request(Request("m", [1], 4, min_tokens=-1)),
+        InvalidArgumentError,
+        "min_tokens must be >= 0, got -1",
+    ),
+    "priority not an int (Request)": Case(
+        lambda s, o: s.add_request(Request("p", [1], 4, priority="high")),
+        InvalidArgumentError,
+        "priority must be an int",
+    ),
+    "priority huge (Request)": Case(
+        lambda s, o: s.add_request(Request("p", [1], 4, priority=2**70)),
+        InvalidArgumentError,
+        "priority must be <= 2**63 - 1",
+    ),
+    "priority huge (duck)": Case(
+        lambda s, o: s.add_request(duck_request(priority=2**70)),
+        InvalidArgumentError,
+        "priority = 1180591620717411303424 is out of range",
+    ),
+    "ignore_eos not a bool (Request)": Case(
+        lambda s, o: s.add_request(Request("i", [1], 4, ignore_eos="yes")),
+        InvalidArgumentError,
+        "ignore_eos must be a bool, got str",
+    ),
+    "ignore_eos not a bool (duck)": Case(
+        lambda s, o: s.add_request(duck_request(ignore_eos="yes")),
+        TypeError,
+        "bool",
+    ),
+    "arrival_time not a number (Request)": Case(
+        lambda s, o: s.add_request(Request("a", [1], 4, arrival_time="now")),
+        InvalidArgumentError,
+        "arrival_time must be a number or None, got str",
+    ),
+    "arrival_time not a number (duck)": Case(
+        lambda s, o: s.add_request(duck_request(arrival_time="now")),
+        TypeError,
+        "real number",
+    ),
+    "arrival_time inf (Request)": Case(
+        lambda s, o: s.add_request(Request("a", [1], 4, arrival_time=float("inf"))),
+        InvalidArgumentError,
+        "arrival_time must be finite",
+    ),
+    "lora_name not a str (Request)": Case(
+        lambda s, o: s.add_request(Request("l", [1], 4, lora_name=5)),
+        InvalidArgumentError,
+        "lora_name must be a str or None",
+    ),
+    "cache_salt not a str (Request)": Case(
+        lambda s, o: s.add_request(Request("c", [1], 4, cache_salt=b"salt")),
+        InvalidArgumentError,
+        "cache_salt must be a str or None",
+    ),
+    "stop_token_ids a str (Request)": Case(
+        lambda s, o: s.add_request(Request("t", [1], 4, stop_token_ids="ab")),
+        InvalidArgumentError,
+        "stop_token_ids[...] must be an int, got str",
+    ),
+    "eos negative (Request)": Case(
+        lambda s, o: s.add_request(Request("t", [1], 4, eos_token_id=-1)),
+        InvalidArgumentError,
+        "eos_token_id = -1 is outside",
+    ),
+    "prompt None (Request)": Case(
+        lambda s, o: s.add_request(Request("t", None, 4)),
+        InvalidArgumentError,
+        "must be a sequence of ints",
+    ),
+    "duplicate id (running, scheduled in the pending step)": Case(
+        lambda s, o: s.add_request(Request("run2", [1], 4)),
+        DuplicateRequestError,
+        'request id "run2" is already in use',
+    ),
     # ---- update_from_output
     "runner req_ids in the wrong order": Case(
         lambda s, o: s.update_from_output(
@@ -361,6 +462,93 @@ CASES: Dict[str, Case] = {
         "step 1 was already applied",
         prepare=lambda s, o: s.update_from_output(o, good_output(o)),
     ),
+    "runner req_ids duplicated": Case(
+        lambda s, o: s.update_from_output(o, ModelRunnerOutput([o.req_ids[0]] * 2, [[3], [5]])),
+        InvalidArgumentError,
+        "ModelRunnerOutput.req_ids[1] = ",
+    ),
+    "runner req_ids is a str": Case(
+        lambda s, o: s.update_from_output(o, ModelRunnerOutput("ab", good_sampled(o))),
+        InvalidArgumentError,
+        "ModelRunnerOutput.req_ids[0] = a but the step scheduled",
+    ),
+    "empty output for a non-empty step": Case(
+        lambda s, o: s.update_from_output(o, ModelRunnerOutput([], [])),
+        InvalidArgumentError,
+        "ModelRunnerOutput has 0 req_ids but the step scheduled 2",
+    ),
+    "more sampled lists than requests": Case(
+        lambda s, o: s.update_from_output(o, ModelRunnerOutput(o.req_ids, [[3], [5], [6]])),
+        InvalidArgumentError,
+        "the model output has 3 requests but step 1 scheduled 2",
+    ),
+    "sampled entry None": Case(
+        lambda s, o: s.update_from_output(o, ModelRunnerOutput(o.req_ids, [None, [5]])),
+        InvalidArgumentError,
+        "sampled_token_ids[0] must be a sequence of ints",
+    ),
+    "sampled entry a str": Case(
+        lambda s, o: s.update_from_output(o, ModelRunnerOutput(o.req_ids, ["ab", [5]])),
+        InvalidArgumentError,
+        "sampled_token_ids[0] must be a sequence of ints, not a string",
+    ),
+    "flat counts: one per request": Case(
+        lambda s, o: s.update_from_output(
+            o,
+            ModelRunnerOutput.from_arrays(
+                o.req_ids, np.array([3], dtype=np.int64), np.array([1], dtype=np.int32)
+            ),
+        ),
+        InvalidArgumentError,
+        "the model output has 1 requests but step 1 scheduled 2",
+    ),
+    "flat counts negative": Case(
+        lambda s, o: s.update_from_output(
+            o,
+            ModelRunnerOutput.from_arrays(
+                o.req_ids, np.array([3], dtype=np.int64), np.array([2, -1], dtype=np.int64)
+            ),
+        ),
+        InvalidArgumentError,
+        "num_sampled_tokens[1] = -1 is outside",
+    ),
+    "flat counts float": Case(
+        lambda s, o: s.update_from_output(
+            o, ModelRunnerOutput.from_arrays(o.req_ids, np.array([3, 5]), np.array([1.0, 1.0]))
+        ),
+        InvalidArgumentError,
+        "num_sampled_tokens must be a 1-D int32 or int64 array, got ndim=1 dtype=float64",
+    ),
+    "flat tokens 2-D": Case(
+        lambda s, o: s.update_from_output(
+            o,
+            ModelRunnerOutput.from_arrays(
+                o.req_ids, np.array([[3, 5]], dtype=np.int64), np.array([1, 1], dtype=np.int32)
+            ),
+        ),
+        InvalidArgumentError,
+        "sampled_tokens_flat must be a 1-D int32 or int64 array, got ndim=2",
+    ),
+    "flat token outside int32": Case(
+        lambda s, o: s.update_from_output(
+            o,
+            ModelRunnerOutput.from_arrays(
+                o.req_ids, np.array([3, 2**31], dtype=np.int64), np.array([1, 1], dtype=np.int32)
+            ),
+        ),
+        InvalidArgumentError,
+        "sampled_tokens_flat[1] = 2147483648 is outside",
+    ),
+    "output is not a SchedulerOutput": Case(
+        lambda s, o: s.update_from_output(None, good_output(o)),
+        TypeError,
+        "SchedulerOutput",
+    ),
+    "runner output is not a ModelRunnerOutput": Case(
+        lambda s, o: s.update_from_output(o, object()),
+        InvalidArgumentError,
+        "runner_output must be a ModelRunnerOutput (it has no req_ids)",
+    ),
     # ---- drafts, finishing, lookups
     "drafts not a dict": Case(
         lambda s, o: s.update_draft_token_ids([("run", [1])]),
@@ -392,6 +580,23 @@ CASES: Dict[str, Case] = {
         ),
         InvalidArgumentError,
         "draft_tokens[1] = -2 is outside",
+    ),
+    "draft arrays: negative count": Case(
+        lambda s, o: s.update_draft_token_ids_from_arrays(
+            o, np.array([1], dtype=np.int32), np.array([2, -1], dtype=np.int32)
+        ),
+        InvalidArgumentError,
+        "num_draft_tokens[1] = -1 is outside",
+    ),
+    "drafts: token outside int32": Case(
+        lambda s, o: s.update_draft_token_ids({"run": [2**31]}),
+        InvalidArgumentError,
+        'draft_token_ids["run"][0] = 2147483648 is outside',
+    ),
+    "finish: a list of ints": Case(
+        lambda s, o: s.finish_requests([1, 2]),
+        InvalidArgumentError,
+        "request_ids must be a str or an iterable of str",
     ),
     "finish: unknown status": Case(
         lambda s, o: s.finish_requests(["run"], status="bogus"),
@@ -696,6 +901,157 @@ CONFIG_CASES: Dict[str, Tuple[Callable[[], Any], Type[BaseException], str]] = {
         InvalidArgumentError,
         "give either sampled_token_ids or sampled_tokens_flat",
     ),
+    "ModelRunnerOutput with lists and arrays": (
+        lambda: ModelRunnerOutput(
+            ["a"], [[1]], sampled_tokens_flat=np.array([1]), num_sampled_tokens=np.array([1])
+        ),
+        InvalidArgumentError,
+        "give either sampled_token_ids or sampled_tokens_flat",
+    ),
+    "ModelRunnerOutput flat tokens without counts": (
+        lambda: ModelRunnerOutput(["a"], sampled_tokens_flat=np.array([1])),
+        InvalidArgumentError,
+        "sampled_tokens_flat and num_sampled_tokens go together",
+    ),
+    "ModelRunnerOutput counts without flat tokens": (
+        lambda: ModelRunnerOutput(["a"], num_sampled_tokens=np.array([1])),
+        InvalidArgumentError,
+        "sampled_tokens_flat and num_sampled_tokens go together",
+    ),
+    "K negative": (
+        lambda: SpeculativeConfig("dflash", -1),
+        InvalidArgumentError,
+        "num_speculative_tokens must be >= 1, got -1",
+    ),
+    "K bool": (
+        lambda: SpeculativeConfig("dflash", True),
+        InvalidArgumentError,
+        "num_speculative_tokens must be an int, got bool",
+    ),
+    "K float": (
+        lambda: SpeculativeConfig("eagle", 2.0),
+        InvalidArgumentError,
+        "num_speculative_tokens must be an int, got float",
+    ),
+    "K huge": (
+        lambda: SpeculativeConfig("dflash", 2**70),
+        InvalidArgumentError,
+        "num_speculative_tokens must be <= 2**63 - 1",
+    ),
+    "K = 65 (duck)": (
+        lambda: Scheduler(
+            _config_fields(speculative=SimpleNamespace(method="dflash", num_speculative_tokens=65))
+        ),
+        InvalidArgumentError,
+        "num_speculative_tokens 65 is above 64",
+    ),
+    "method None": (
+        lambda: SpeculativeConfig(None, 2),
+        InvalidArgumentError,
+        "unknown speculative method None",
+    ),
+    "method in the wrong case": (
+        lambda: SpeculativeConfig("DFlash", 2),
+        InvalidArgumentError,
+        "unknown speculative method 'DFlash'",
+    ),
+    "num_blocks bool": (
+        lambda: SchedulerConfig(True),
+        InvalidArgumentError,
+        "num_blocks must be an int, got bool",
+    ),
+    "num_blocks huge": (
+        lambda: SchedulerConfig(2**70),
+        InvalidArgumentError,
+        "num_blocks must be <= 2**63 - 1",
+    ),
+    "num_blocks huge (duck)": (
+        lambda: Scheduler(_config_fields(num_blocks=2**70)),
+        InvalidArgumentError,
+        "config.num_blocks = 1180591620717411303424 is out of range",
+    ),
+    "num_blocks 2**32 (block ids are u32)": (
+        lambda: Scheduler(SchedulerConfig(2**32)),
+        InvalidArgumentError,
+        "num_blocks 4294967296 is too large",
+    ),
+    "block_size negative": (
+        lambda: SchedulerConfig(10, block_size=-16),
+        InvalidArgumentError,
+        "block_size must be >= 1, got -16",
+    ),
+    "block_size float": (
+        lambda: SchedulerConfig(10, block_size=16.0),
+        InvalidArgumentError,
+        "block_size must be an int, got float",
+    ),
+    "max_model_len 0": (
+        lambda: SchedulerConfig(10, max_model_len=0),
+        InvalidArgumentError,
+        "max_model_len must be >= 2",
+    ),
+    "max_model_len huge": (
+        lambda: SchedulerConfig(10, max_model_len=2**64),
+        InvalidArgumentError,
+        "max_model_len must be <= 2**63 - 1",
+    ),
+    "max_num_seqs negative": (
+        lambda: SchedulerConfig(10, max_num_seqs=-1),
+        InvalidArgumentError,
+        "max_num_seqs must be >= 1, got -1",
+    ),
+    "max_num_seqs 0 (duck)": (
+        lambda: Scheduler(_config_fields(max_num_seqs=0)),
+        InvalidArgumentError,
+        "max_num_seqs must be positive",
+    ),
+    "budget 0 (duck)": (
+        lambda: Scheduler(_config_fields(max_num_batched_tokens=0)),
+        InvalidArgumentError,
+        "max_num_batched_tokens must be positive",
+    ),
+    "long_prefill_token_threshold negative": (
+        lambda: SchedulerConfig(10, long_prefill_token_threshold=-1),
+        InvalidArgumentError,
+        "long_prefill_token_threshold must be >= 0, got -1",
+    ),
+    "enable_prefix_caching not a bool": (
+        lambda: SchedulerConfig(10, enable_prefix_caching="no"),
+        InvalidArgumentError,
+        "enable_prefix_caching must be a bool, got str",
+    ),
+    "enable_prefix_caching not a bool (duck)": (
+        lambda: Scheduler(_config_fields(enable_prefix_caching="no")),
+        InvalidArgumentError,
+        "config.enable_prefix_caching has the wrong type",
+    ),
+    "enable_chunked_prefill not a bool": (
+        lambda: SchedulerConfig(10, enable_chunked_prefill=1),
+        InvalidArgumentError,
+        "enable_chunked_prefill must be a bool, got int",
+    ),
+    "policy None": (
+        lambda: SchedulerConfig(10, policy=None),
+        InvalidArgumentError,
+        "policy must be 'fcfs' or 'priority', got None",
+    ),
+    "hash_seed float": (
+        lambda: Scheduler(SchedulerConfig(10, hash_seed=1.5)),
+        InvalidArgumentError,
+        "hash_seed must be str, bytes, int or None",
+    ),
+    "block_size bool (duck)": (
+        lambda: Scheduler(_config_fields(block_size=True)),
+        InvalidArgumentError,
+        "config.block_size must be an int, got the bool True",
+    ),
+    "K without a method (duck)": (
+        lambda: Scheduler(
+            _config_fields(speculative=SimpleNamespace(method="none", num_speculative_tokens=2))
+        ),
+        InvalidArgumentError,
+        "num_speculative_tokens must be 0 without a speculative method",
+    ),
 }
 
 
@@ -704,3 +1060,88 @@ def test_bad_config(name: str) -> None:
     make, error, fragment = CONFIG_CASES[name]
     with pytest.raises(error, match=re.escape(fragment)):
         make()
+
+
+def test_prompt_larger_than_the_pool_changes_nothing() -> None:
+    """A prompt that needs more blocks than the whole pool is refused at admission, also while
+    other requests hold blocks, and the refusal changes nothing."""
+    sched = make_scheduler(6, block_size=4, max_model_len=MML)
+    sched.add_request(Request("small", [1, 2, 3, 4, 5], 8))
+    out = sched.schedule()
+    sched.update_from_output(out, ModelRunnerOutput(out.req_ids, [[6]]))
+    before = snapshot(sched)
+    with pytest.raises(OutOfBlocksError, match="needs 6 KV blocks but the pool has only 5"):
+        sched.add_request(Request("big", list(range(21)), 4))
+    assert snapshot(sched) == before
+    sched.check_invariants()
+    assert sched.schedule().req_ids == ["small"]
+
+
+def test_sampled_tokens_for_a_request_finished_meanwhile_are_dropped() -> None:
+    """A request aborted while its step is in flight: the step's output still names it and
+    carries its tokens; they are dropped, its blocks are freed once, the others proceed."""
+    sched, out = populated()
+    blocks_of_run = len(sched.block_ids("run"))
+    free_before = sched.num_free_blocks
+    assert sched.finish_requests(["run"]) == ["run"]
+    assert sched.num_free_blocks == free_before + blocks_of_run
+    results = sched.update_from_output(out, good_output(out))
+    assert [(r.request_id, r.new_token_ids) for r in results] == [("run2", [5, 6])]
+    assert not sched.has_request("run")
+    assert sched.num_free_blocks == free_before + blocks_of_run
+    sched.check_invariants()
+    nxt = sched.schedule()
+    assert nxt.finished_req_ids == {"run"} and "run" not in nxt.req_ids
+    with pytest.raises(UnknownRequestError):
+        sched.block_ids("run")
+    sched.check_invariants()
+
+
+def test_non_power_of_two_block_size_is_supported() -> None:
+    """No entry point requires a power-of-two block size: 3-token blocks schedule and map
+    positions like any other size."""
+    sched = make_scheduler(12, block_size=3, max_model_len=30, method="dflash", k=2)
+    sched.add_request(Request("a", list(range(7)), 4))
+    out = sched.schedule()
+    # 7 tokens + K + 1 = 3 lookahead slots -> 10 positions -> 4 blocks of 3.
+    assert out.num_blocks_per_row.tolist() == [4]
+    assert out.block_table[0, :4].tolist() == sched.block_ids("a")
+    sched.check_invariants()
+
+
+_HUGE_TABLE = """
+import sys
+from dflash_rs import InvalidArgumentError, Scheduler, SchedulerConfig
+try:
+    Scheduler(SchedulerConfig(10, {kwargs}))
+except InvalidArgumentError as exc:
+    print("InvalidArgumentError:", exc)
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("kwargs", ["max_model_len=2**40", "max_num_seqs=2**40"])
+def test_block_table_too_large_raises_instead_of_aborting(kwargs: str) -> None:
+    """A config whose [max_num_seqs, cdiv(max_model_len, block_size)] block table cannot be
+    allocated raises InvalidArgumentError. Run in a child process with a 4 GiB address-space
+    limit, so a regression to an aborting allocation cannot take the test session down."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    done = subprocess.run(
+        [sys.executable, "-c", _HUGE_TABLE.format(kwargs=kwargs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit_memory,
+        check=False,
+    )
+    if "Traceback" in done.stderr:  # a Python error in the child is not the failure expected
+        raise RuntimeError(done.stderr)
+    assert done.returncode == 0, (done.returncode, done.stderr[-300:])
+    assert "InvalidArgumentError: cannot allocate block table" in done.stdout
