@@ -312,7 +312,12 @@ impl KvCacheManager {
     /// Registers in the prefix cache every block of `req` that is full of known tokens below
     /// `num_tokens` (whose KV is, or is being, computed) and not registered yet. Never drafts or
     /// lookahead slots.
-    pub fn cache_blocks(&mut self, req: &mut RequestBlocks, seq: SequenceView<'_>, num_tokens: usize) {
+    pub fn cache_blocks(
+        &mut self,
+        req: &mut RequestBlocks,
+        seq: SequenceView<'_>,
+        num_tokens: usize,
+    ) {
         if !self.pool.caching_enabled() {
             return;
         }
@@ -333,11 +338,8 @@ impl KvCacheManager {
                 .map_or(NULL_BLOCK, |p| req.block_ids[p]),
             extra: seq.extra,
         };
-        self.pool.cache_full_blocks(
-            &req.block_ids[range.clone()],
-            &seq.block_hashes[range],
-            src,
-        );
+        self.pool
+            .cache_full_blocks(&req.block_ids[range.clone()], &seq.block_hashes[range], src);
         req.num_cached_blocks = num_full;
     }
 
