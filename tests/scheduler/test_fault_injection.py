@@ -98,3 +98,21 @@ def test_unknown_fault_point_is_rejected() -> None:
         inject("nowhere", "error")
     with pytest.raises(ValueError, match="fault kind"):
         inject("schedule.begin", "explode")
+
+
+def test_kv_cache_manager_turns_a_panic_into_an_exception() -> None:
+    from dflash_rs import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=16, block_size=4, max_model_len=64)
+    kv.add_request("a", [1, 2, 3, 4, 5])
+    inject("allocate_slots.begin", "error")
+    with pytest.raises(InvariantError, match="injected fault"):
+        kv.allocate_slots("a", 5, num_computed_tokens=0)
+    assert kv.num_free_blocks == 15  # nothing changed, and the manager still works
+    assert kv.allocate_slots("a", 5, num_computed_tokens=0) is not None
+    inject("allocate_slots.begin", "panic")
+    with pytest.raises(InvariantError, match="injected panic") as info:
+        kv.allocate_slots("a", 1, num_computed_tokens=5)
+    assert "refuses further calls" in str(info.value)
+    with pytest.raises(SchedulerStateError, match="stopped after an internal error"):
+        kv.free("a")

@@ -31,6 +31,10 @@ pub const FAULT_POINTS: &[(&str, &str)] = &[
         "Scheduler::update_from_output, before any state changes",
     ),
     (
+        "allocate_slots.begin",
+        "KvCacheManager::allocate_slots, before any state changes",
+    ),
+    (
         "add_request.begin",
         "Scheduler::add_request, before any state changes",
     ),

@@ -277,6 +277,7 @@ impl KvCacheManager {
         seq: SequenceView<'_>,
         args: AllocateArgs<'_>,
     ) -> CoreResult<Option<usize>> {
+        crate::fault::hit("allocate_slots.begin")?;
         self.validate(req, seq, &args)?;
         let hits = args.new_computed_blocks;
         let total =

@@ -75,19 +75,43 @@ impl<T> Guarded<T> {
         match result {
             Ok(r) => r,
             Err(payload) => {
-                let msg = panic_message(payload.as_ref());
-                let _ = self.failure.set(msg.clone());
-                Err(py_error(
-                    py,
-                    "InvariantError",
-                    format!(
-                        "internal error in {owner} (a bug in dflash-rs; please report it): {msg}. \
-                         This {owner} refuses further calls."
-                    ),
-                ))
+                let mut failure = None;
+                let err = panic_to_error(py, owner, payload.as_ref(), &mut failure);
+                if let Some(msg) = failure {
+                    let _ = self.failure.set(msg);
+                }
+                Err(err)
             }
         }
     }
+}
+
+/// A panic caught at the boundary: the `InvariantError` to raise; records the message in
+/// `failure` so that the object can refuse later calls.
+pub fn panic_to_error(
+    py: Python<'_>,
+    owner: &str,
+    payload: &(dyn Any + Send),
+    failure: &mut Option<String>,
+) -> PyErr {
+    let msg = panic_message(payload);
+    *failure = Some(msg.clone());
+    py_error(
+        py,
+        "InvariantError",
+        format!(
+            "internal error in {owner} (a bug in dflash-rs; please report it): {msg}. \
+             This {owner} refuses further calls."
+        ),
+    )
+}
+
+/// The error for a call on an object that stopped after an internal error.
+pub fn stopped_error(py: Python<'_>, owner: &str, msg: &str) -> PyErr {
+    state_error(
+        py,
+        format!("this {owner} stopped after an internal error and refuses further calls: {msg}"),
+    )
 }
 
 fn state_error(py: Python<'_>, message: String) -> PyErr {

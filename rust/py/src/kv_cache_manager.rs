@@ -37,9 +37,33 @@ pub struct PyKvCacheManager {
     hasher: BlockHasher,
     requests: HashMap<String, ManagedRequest>,
     hit_buf: Vec<u32>,
+    /// Set once a call panicked (a bug): later calls are refused.
+    failure: Option<String>,
 }
 
 impl PyKvCacheManager {
+    /// Runs a call's body so that a panic becomes `InvariantError` rather than crossing into
+    /// Python; after one, every guarded call is refused (the state may be half updated).
+    /// The manager never releases the GIL, so the GIL serialises callers.
+    fn guarded<R>(
+        &mut self,
+        py: Python<'_>,
+        body: impl FnOnce(&mut Self) -> PyResult<R>,
+    ) -> PyResult<R> {
+        if let Some(msg) = &self.failure {
+            return Err(crate::guarded::stopped_error(py, "KVCacheManager", msg));
+        }
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(self))) {
+            Ok(result) => result,
+            Err(payload) => Err(crate::guarded::panic_to_error(
+                py,
+                "KVCacheManager",
+                payload.as_ref(),
+                &mut self.failure,
+            )),
+        }
+    }
+
     fn get(&self, py: Python<'_>, id: &str) -> PyResult<&ManagedRequest> {
         self.requests
             .get(id)
@@ -75,6 +99,7 @@ impl PyKvCacheManager {
             hasher,
             requests: HashMap::new(),
             hit_buf: Vec::new(),
+            failure: None,
         })
     }
 
@@ -88,43 +113,45 @@ impl PyKvCacheManager {
         lora_name: Option<String>,
         cache_salt: Option<String>,
     ) -> PyResult<()> {
-        crate::convert::request_id(py, request_id)?;
-        if self.requests.contains_key(request_id) {
-            return Err(to_py(
-                py,
-                CoreError::DuplicateRequest(request_id.to_owned()),
-            ));
-        }
-        let tokens = crate::convert::token_ids(token_ids, "token_ids")?;
-        if tokens.is_empty() {
-            return Err(invalid(py, "token_ids must not be empty"));
-        }
-        if tokens.len() > self.inner.max_model_len() {
-            return Err(to_py(
-                py,
-                CoreError::TooLong(format!(
-                    "prompt of {} tokens exceeds max_model_len {}",
-                    tokens.len(),
-                    self.inner.max_model_len()
-                )),
-            ));
-        }
-        let extra = ExtraKeys {
-            lora_name,
-            cache_salt,
-        };
-        let mut hashes = Vec::new();
-        if self.inner.pool().caching_enabled() {
-            self.hasher.extend_hashes(&mut hashes, &tokens, &extra);
-        }
-        let req = ManagedRequest {
-            tokens,
-            hashes,
-            extra,
-            blocks: RequestBlocks::default(),
-        };
-        self.requests.insert(request_id.to_owned(), req);
-        Ok(())
+        self.guarded(py, |this| {
+            crate::convert::request_id(py, request_id)?;
+            if this.requests.contains_key(request_id) {
+                return Err(to_py(
+                    py,
+                    CoreError::DuplicateRequest(request_id.to_owned()),
+                ));
+            }
+            let tokens = crate::convert::token_ids(token_ids, "token_ids")?;
+            if tokens.is_empty() {
+                return Err(invalid(py, "token_ids must not be empty"));
+            }
+            if tokens.len() > this.inner.max_model_len() {
+                return Err(to_py(
+                    py,
+                    CoreError::TooLong(format!(
+                        "prompt of {} tokens exceeds max_model_len {}",
+                        tokens.len(),
+                        this.inner.max_model_len()
+                    )),
+                ));
+            }
+            let extra = ExtraKeys {
+                lora_name,
+                cache_salt,
+            };
+            let mut hashes = Vec::new();
+            if this.inner.pool().caching_enabled() {
+                this.hasher.extend_hashes(&mut hashes, &tokens, &extra);
+            }
+            let req = ManagedRequest {
+                tokens,
+                hashes,
+                extra,
+                blocks: RequestBlocks::default(),
+            };
+            this.requests.insert(request_id.to_owned(), req);
+            Ok(())
+        })
     }
 
     /// Appends accepted tokens to a request (hashing any newly full block).
@@ -134,29 +161,31 @@ impl PyKvCacheManager {
         request_id: &str,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let new_tokens = crate::convert::token_ids(token_ids, "token_ids")?;
-        let max_model_len = self.inner.max_model_len();
-        let caching = self.inner.pool().caching_enabled();
-        let req = self
-            .requests
-            .get_mut(request_id)
-            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
-        if req.tokens.len() + new_tokens.len() > max_model_len {
-            return Err(to_py(
-                py,
-                CoreError::TooLong(format!(
-                    "appending {} tokens to {} exceeds max_model_len {max_model_len}",
-                    new_tokens.len(),
-                    req.tokens.len()
-                )),
-            ));
-        }
-        req.tokens.extend_from_slice(&new_tokens);
-        if caching {
-            self.hasher
-                .extend_hashes(&mut req.hashes, &req.tokens, &req.extra);
-        }
-        Ok(())
+        self.guarded(py, |this| {
+            let new_tokens = crate::convert::token_ids(token_ids, "token_ids")?;
+            let max_model_len = this.inner.max_model_len();
+            let caching = this.inner.pool().caching_enabled();
+            let req = this
+                .requests
+                .get_mut(request_id)
+                .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
+            if req.tokens.len() + new_tokens.len() > max_model_len {
+                return Err(to_py(
+                    py,
+                    CoreError::TooLong(format!(
+                        "appending {} tokens to {} exceeds max_model_len {max_model_len}",
+                        new_tokens.len(),
+                        req.tokens.len()
+                    )),
+                ));
+            }
+            req.tokens.extend_from_slice(&new_tokens);
+            if caching {
+                this.hasher
+                    .extend_hashes(&mut req.hashes, &req.tokens, &req.extra);
+            }
+            Ok(())
+        })
     }
 
     /// Longest cached prefix: (hit block ids, hit tokens); capped at num_tokens - 1, whole blocks.
@@ -165,14 +194,16 @@ impl PyKvCacheManager {
         py: Python<'_>,
         request_id: &str,
     ) -> PyResult<(Vec<u32>, usize)> {
-        let req = self
-            .requests
-            .get(request_id)
-            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
-        let hit_tokens = self
-            .inner
-            .get_computed_blocks(req.view(), &mut self.hit_buf);
-        Ok((self.hit_buf.clone(), hit_tokens))
+        self.guarded(py, |this| {
+            let req = this
+                .requests
+                .get(request_id)
+                .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
+            let hit_tokens = this
+                .inner
+                .get_computed_blocks(req.view(), &mut this.hit_buf);
+            Ok((this.hit_buf.clone(), hit_tokens))
+        })
     }
 
     /// Allocates slots for `num_new_tokens` (+ lookahead); returns the new block ids, or None if
@@ -190,50 +221,58 @@ impl PyKvCacheManager {
         num_lookahead_tokens: Int,
         full_sequence_must_fit: bool,
     ) -> PyResult<Option<Vec<u32>>> {
-        let hits = new_computed_blocks
-            .iter()
-            .map(|&Int(b)| {
-                u32::try_from(b).map_err(|_| {
-                    invalid(py, format!("invalid block id {b} in new_computed_blocks"))
+        self.guarded(py, |this| {
+            let hits = new_computed_blocks
+                .iter()
+                .map(|&Int(b)| {
+                    u32::try_from(b).map_err(|_| {
+                        invalid(py, format!("invalid block id {b} in new_computed_blocks"))
+                    })
                 })
-            })
-            .collect::<PyResult<Vec<u32>>>()?;
-        let args = AllocateArgs {
-            num_new_tokens: non_negative(py, "num_new_tokens", num_new_tokens)?,
-            num_computed_tokens: non_negative(py, "num_computed_tokens", num_computed_tokens)?,
-            num_new_computed_tokens: non_negative(
-                py,
-                "num_new_computed_tokens",
-                num_new_computed_tokens,
-            )?,
-            new_computed_blocks: &hits,
-            num_lookahead_tokens: non_negative(py, "num_lookahead_tokens", num_lookahead_tokens)?,
-            full_sequence_must_fit,
-        };
-        let req = self
-            .requests
-            .get_mut(request_id)
-            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
-        let view = SequenceView {
-            tokens: &req.tokens,
-            block_hashes: &req.hashes,
-            extra: &req.extra,
-        };
-        let first_new = self
-            .inner
-            .allocate_slots(&mut req.blocks, view, args)
-            .py(py)?;
-        Ok(first_new.map(|i| req.blocks.block_ids[i..].to_vec()))
+                .collect::<PyResult<Vec<u32>>>()?;
+            let args = AllocateArgs {
+                num_new_tokens: non_negative(py, "num_new_tokens", num_new_tokens)?,
+                num_computed_tokens: non_negative(py, "num_computed_tokens", num_computed_tokens)?,
+                num_new_computed_tokens: non_negative(
+                    py,
+                    "num_new_computed_tokens",
+                    num_new_computed_tokens,
+                )?,
+                new_computed_blocks: &hits,
+                num_lookahead_tokens: non_negative(
+                    py,
+                    "num_lookahead_tokens",
+                    num_lookahead_tokens,
+                )?,
+                full_sequence_must_fit,
+            };
+            let req = this
+                .requests
+                .get_mut(request_id)
+                .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
+            let view = SequenceView {
+                tokens: &req.tokens,
+                block_hashes: &req.hashes,
+                extra: &req.extra,
+            };
+            let first_new = this
+                .inner
+                .allocate_slots(&mut req.blocks, view, args)
+                .py(py)?;
+            Ok(first_new.map(|i| req.blocks.block_ids[i..].to_vec()))
+        })
     }
 
     /// Releases every block of the request (tail first) and forgets it.
     fn free(&mut self, py: Python<'_>, request_id: &str) -> PyResult<()> {
-        let mut req = self
-            .requests
-            .remove(request_id)
-            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
-        self.inner.free(&mut req.blocks);
-        Ok(())
+        self.guarded(py, |this| {
+            let mut req = this
+                .requests
+                .remove(request_id)
+                .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
+            this.inner.free(&mut req.blocks);
+            Ok(())
+        })
     }
 
     /// Block ids the request holds, in logical order.
@@ -276,15 +315,17 @@ impl PyKvCacheManager {
     }
 
     /// Empties the prefix cache; False (and no change) while any block is held.
-    fn reset_prefix_cache(&mut self) -> bool {
-        self.inner.reset_prefix_cache()
+    fn reset_prefix_cache(&mut self, py: Python<'_>) -> PyResult<bool> {
+        self.guarded(py, |this| Ok(this.inner.reset_prefix_cache()))
     }
 
     /// Raises `InvariantError` if any pool or ownership invariant is broken.
-    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner
-            .check_invariants(self.requests.values().map(|r| &r.blocks))
-            .py(py)
+    fn check_invariants(&mut self, py: Python<'_>) -> PyResult<()> {
+        self.guarded(py, |this| {
+            this.inner
+                .check_invariants(this.requests.values().map(|r| &r.blocks))
+                .py(py)
+        })
     }
 
     /// Free block ids in eviction order (next reused first).
