@@ -37,7 +37,7 @@ demo: develop ## Short demo: admit requests, allocate with DFlash lookahead, pri
 	$(PY) -m dflash_rs demo
 
 .PHONY: test
-test: develop lint test-rust test-python wheel-check ## Run the whole test suite (Rust, lints, Python, wheel)
+test: develop lint test-rust test-python wheel-check fuzz-ci test-vllm ## Run the whole test suite (Rust, lints, Python, wheel, fuzzing, vLLM parity)
 
 .PHONY: test-rust
 test-rust: ## cargo test of the core and bindings
@@ -67,13 +67,31 @@ bench: develop ## Benchmarks: criterion (core) and pytest-benchmark (through Pyt
 	cargo bench -p dflash-core --bench core -- --warm-up-time 1 --measurement-time 3
 	$(PY) -m pytest benches/python --benchmark-enable -q
 
+WHEEL_STAMP := dist/.built
+
+$(WHEEL_STAMP): $(STAMP) $(RUST_SOURCES) $(shell find python -name '*.py' -o -name '*.pyi')
+	rm -f dist/dflash_rs-*.whl
+	source $(VENV)/bin/activate && maturin build --release --quiet -o dist
+	touch $@
+
 .PHONY: wheel
-wheel: $(STAMP) ## Build the abi3 release wheel into dist/
-	source $(VENV)/bin/activate && maturin build --release -o dist
+wheel: $(WHEEL_STAMP) ## Build the abi3 release wheel into dist/
 
 .PHONY: wheel-check
-wheel-check: $(STAMP) ## Build the wheel, install it in a clean venv, check it is complete
-	scripts/check_wheel.sh
+wheel-check: $(WHEEL_STAMP) ## Install the wheel in a clean venv and check it is complete
+	scripts/check_wheel.sh dist/dflash_rs-*-abi3-*.whl
+
+.PHONY: fuzz-ci
+fuzz-ci: ## Bounded coverage-guided fuzzing of the core (30 s per target; see docs/FUZZING.md)
+	scripts/fuzz.sh 30
+
+.PHONY: test-vllm
+test-vllm: $(WHEEL_STAMP) ## vLLM drop-in parity tests in .venv-vllm (built on first use, ~9 GB)
+	DFLASH_RS_NO_OVERLAY=1 scripts/vllm_env.sh --wheel $$(ls dist/dflash_rs-*-abi3-*.whl) test -q
+
+.PHONY: soak
+soak: develop ## The 1,000,000-request soak (docs/SOAK.md)
+	$(PY) -m dflash_rs soak --json out/soak.json
 
 .PHONY: clean
 clean: ## Remove build outputs (keeps .venv)

@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# Builds the abi3 release wheel, installs it into a clean venv (numpy only) and checks that it
-# holds everything `import dflash_rs` needs, the Triton kernels included.
+# Installs the abi3 release wheel into a clean venv (numpy only) and checks that it holds
+# everything `import dflash_rs` needs, the Triton kernels included, and not the dev build's
+# test-only fault hook.
+#
+#   scripts/check_wheel.sh [WHEEL]    (default: build one into a temporary directory)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV_PY=${VENV_PY:-.venv/bin/python}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-source .venv/bin/activate
-maturin build --release --quiet -o "$out/dist"
-wheel=$(ls "$out"/dist/dflash_rs-*-abi3-*.whl)
-echo "built $(basename "$wheel")"
+if [[ -n ${1:-} ]]; then
+    wheel=$(realpath "$1")
+else
+    source .venv/bin/activate
+    maturin build --release --quiet -o "$out/dist"
+    wheel=$(ls "$out"/dist/dflash_rs-*-abi3-*.whl)
+    echo "built $(basename "$wheel")"
+fi
 python3 -m venv "$out/venv"
 "$out/venv/bin/pip" install -q "$wheel"
 cd "$out"
@@ -21,8 +28,7 @@ from dflash_rs import Scheduler, SchedulerConfig, SpeculativeConfig, Request, Mo
 assert not hasattr(dflash_rs._core, "_inject_fault"), "a release wheel must not carry the fault hook"
 files = {p.name for p in res.files("dflash_rs").iterdir()}
 assert {"_core.pyi", "py.typed", "kernels"} <= files, files
-kernel_assert not hasattr(dflash_rs._core, "_inject_fault"), "a release wheel must not carry the fault hook"
-files = {p.name for p in (res.files("dflash_rs") / "kernels").iterdir()}
+kernel_files = {p.name for p in (res.files("dflash_rs") / "kernels").iterdir()}
 assert "__init__.py" in kernel_files and len(kernel_files) > 1, kernel_files
 s = Scheduler(SchedulerConfig(num_blocks=64, speculative=SpeculativeConfig("dflash", 4)))
 s.add_request(Request("a", list(range(40)), max_tokens=2))
