@@ -61,6 +61,9 @@ class SchedulerConfig:
     real engines shipped (no lookahead on first prefill; K instead of K+1 for DFlash).
     ``verify_prefix_hits=False`` is a test switch too: it trusts a prefix-cache hit on its block
     hash alone, as vLLM does, instead of checking the block's tokens and prefix.
+    ``pad_admitted_decodes=True`` follows vLLM 0.33: an admitted request with one token left to
+    compute (a resume, a full prefix hit) joins a decode batch as 1 + K tokens with K
+    placeholder drafts (``-1`` in ``scheduled_spec_decode_tokens``), keeping the batch uniform.
     """
 
     num_blocks: int
@@ -77,6 +80,7 @@ class SchedulerConfig:
     hash_seed: Optional[str] = None
     lookahead_policy: str = "correct"
     verify_prefix_hits: bool = True
+    pad_admitted_decodes: bool = False
 
     def __post_init__(self) -> None:
         _check_int("num_blocks", self.num_blocks, 2)
@@ -88,6 +92,7 @@ class SchedulerConfig:
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_bool("verify_prefix_hits", self.verify_prefix_hits)
+        _check_bool("pad_admitted_decodes", self.pad_admitted_decodes)
         if self.policy not in _POLICIES:
             raise InvalidArgumentError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.hash_algo not in _HASH_ALGOS:

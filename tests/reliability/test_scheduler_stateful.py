@@ -99,6 +99,7 @@ class MachineConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     policy: str
+    pad_admitted_decodes: bool = False
 
     def scheduler_config(self, lookahead_policy: str) -> SchedulerConfig:
         spec = None if self.method is None else SpeculativeConfig(self.method, self.k)
@@ -112,6 +113,7 @@ class MachineConfig:
             policy=self.policy,
             speculative=spec,
             lookahead_policy=lookahead_policy,
+            pad_admitted_decodes=self.pad_admitted_decodes,
         )
 
 
@@ -139,6 +141,7 @@ def machine_configs(draw: Any, methods: Sequence[Optional[str]]) -> MachineConfi
         max_num_batched_tokens=budget,
         enable_chunked_prefill=chunked,
         policy=draw(st.sampled_from(["fcfs", "priority"])),
+        pad_admitted_decodes=draw(st.booleans()),
     )
 
 

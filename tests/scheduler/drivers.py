@@ -222,6 +222,8 @@ def sampled_for(
             result.append([rng.randrange(vocab)] if token_for_chunks else [])
             continue
         drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+        # A model never accepts a placeholder draft (-1, a padded admission), nor any after it.
+        real = next((j for j, t in enumerate(drafts) if t < 0), len(drafts))
         if callable(accept):
             n = accept(rid, drafts)
         elif accept == "all":
@@ -230,6 +232,7 @@ def sampled_for(
             n = 0
         else:
             n = rng.randint(0, len(drafts))
+        n = min(n, real)
         result.append([*drafts[:n], rng.randrange(vocab)])
     return result
 

@@ -76,6 +76,7 @@ class Workload:
     seed: int
     accept: str
     abort_prob: float
+    pad_admitted_decodes: bool = False
 
     def config(self, lookahead_policy: str) -> SchedulerConfig:
         return SchedulerConfig(
@@ -90,6 +91,7 @@ class Workload:
             policy=self.policy,
             speculative=None if self.method is None else SpeculativeConfig(self.method, self.k),
             lookahead_policy=lookahead_policy,
+            pad_admitted_decodes=self.pad_admitted_decodes,
         )
 
 
@@ -173,6 +175,7 @@ def workloads(draw: Any, methods: Sequence[Optional[str]] = ALL_METHODS) -> Work
         seed=draw(st.integers(0, 2**32 - 1)),
         accept=draw(st.sampled_from(["random", "random", "all", "none"])),
         abort_prob=draw(st.sampled_from([0.0, 0.0, 0.04])),
+        pad_admitted_decodes=draw(st.booleans()),
     )
 
 

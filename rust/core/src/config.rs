@@ -39,6 +39,10 @@ pub struct SchedulerConfig {
     /// Verify prefix-cache hits against the tokens and prefix they were cached with (default);
     /// false trusts the block hash alone, as vLLM does (a test switch, see `provenance`).
     pub verify_prefix_hits: bool,
+    /// vLLM 0.33's padding of an admitted request with one token left (a resume, a full
+    /// prefix hit) to 1 + K tokens with K placeholder drafts when it joins a decode batch.
+    /// Off by default; the vLLM drop-in turns it on.
+    pub pad_admitted_decodes: bool,
 }
 
 impl SchedulerConfig {
@@ -66,6 +70,7 @@ impl SchedulerConfig {
             hash_seed: b"dflash-rs".to_vec(),
             lookahead_policy: LookaheadPolicy::Correct,
             verify_prefix_hits: true,
+            pad_admitted_decodes: false,
         }
     }
 

@@ -82,6 +82,8 @@ fn run(w: &Workload, policy: LookaheadPolicy) -> Result<dflash_core::SchedulerSt
     config.spec_method = w.method;
     config.num_speculative_tokens = w.k;
     config.lookahead_policy = policy;
+    // Half the workloads pad admissions with one token left to 1 + K (vLLM's uniform decode).
+    config.pad_admitted_decodes = w.seed % 2 == 0;
     let required = config.required_lookahead();
     let mut sched = Scheduler::new(config).map_err(|e| e.to_string())?;
     for (i, prompt) in w.prompts.iter().enumerate() {

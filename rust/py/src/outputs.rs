@@ -234,7 +234,8 @@ impl PySchedulerOutput {
         Ok(d.clone_ref(py))
     }
 
-    /// `{req_id: draft tokens to verify}` for requests with drafts (built on first access).
+    /// `{req_id: draft tokens to verify}` for requests with drafts (built on first access);
+    /// a placeholder draft of a padded admission is `-1`, as in vLLM.
     #[getter]
     fn scheduled_spec_decode_tokens(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
         let d = self
@@ -245,7 +246,14 @@ impl PySchedulerOutput {
                 for (id, &n) in self.req_ids.bind(py).iter().zip(&self.parts.spec_counts) {
                     let end = start + n as usize;
                     if n > 0 {
-                        d.set_item(id, PyList::new(py, &self.parts.spec_tokens[start..end])?)?;
+                        let tokens = self.parts.spec_tokens[start..end].iter().map(|&t| {
+                            if t == dflash_core::scheduler::PLACEHOLDER_TOKEN {
+                                -1
+                            } else {
+                                i64::from(t)
+                            }
+                        });
+                        d.set_item(id, PyList::new(py, tokens)?)?;
                     }
                     start = end;
                 }

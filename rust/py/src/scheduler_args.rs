@@ -48,6 +48,11 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
             .extract()
             .map_err(|_| invalid(py, "config.verify_prefix_hits must be a bool"))?;
     }
+    if let Ok(v) = config.getattr("pad_admitted_decodes") {
+        c.pad_admitted_decodes = v
+            .extract()
+            .map_err(|_| invalid(py, "config.pad_admitted_decodes must be a bool"))?;
+    }
     c.lookahead_policy =
         LookaheadPolicy::from_name(&attr::<String>(config, "lookahead_policy")?).py(py)?;
     let speculative = config.getattr("speculative")?;

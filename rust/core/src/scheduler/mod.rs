@@ -60,6 +60,9 @@ struct InFlightStep {
     entries: Vec<InFlightEntry>,
 }
 
+/// A placeholder draft token (vLLM's `-1`): scheduled for a padded admission, never accepted.
+pub const PLACEHOLDER_TOKEN: u32 = u32::MAX;
+
 /// Per-step scratch state of `schedule()`.
 #[derive(Debug, Default)]
 struct StepScratch {
@@ -358,10 +361,11 @@ impl Scheduler {
         let mut scheduled_order: Vec<u32> = Vec::with_capacity(self.running.len());
         let mut preempted_any = false;
 
-        self.schedule_running(&mut budget, &mut scheduled_order, &mut preempted_any, out)?;
+        let prefill_scheduled =
+            self.schedule_running(&mut budget, &mut scheduled_order, &mut preempted_any, out)?;
         crate::fault::hit("schedule.after_running")?;
         if !preempted_any {
-            self.schedule_waiting(&mut budget, &mut scheduled_order)?;
+            self.schedule_waiting(&mut budget, &mut scheduled_order, prefill_scheduled)?;
         }
         self.finish_step(out, scheduled_order)
     }
@@ -370,14 +374,16 @@ impl Scheduler {
         self.store.capacity()
     }
 
-    /// Phase A: running requests, in running order.
+    /// Phase A: running requests, in running order. Returns whether a request in the middle of
+    /// its prefill was scheduled.
     fn schedule_running(
         &mut self,
         budget: &mut usize,
         scheduled_order: &mut Vec<u32>,
         preempted_any: &mut bool,
         out: &mut StepOutput,
-    ) -> CoreResult<()> {
+    ) -> CoreResult<bool> {
+        let mut prefill_scheduled = false;
         let lookahead = self.lookahead_for(AllocationKind::Running);
         let threshold = self.config.long_prefill_token_threshold;
         let max_model_len = self.config.max_model_len;
@@ -474,11 +480,12 @@ impl Scheduler {
                 self.scratch.spec[s].extend_from_slice(&r.spec_token_ids[..n]);
             }
             r.spec_token_ids.clear();
+            prefill_scheduled |= r.is_prefill_chunk;
             scheduled_order.push(slot);
             *budget -= num_new;
             index += 1;
         }
-        Ok(())
+        Ok(prefill_scheduled)
     }
 
     /// Index in `running` of the request to preempt.
@@ -529,8 +536,11 @@ impl Scheduler {
         &mut self,
         budget: &mut usize,
         scheduled_order: &mut Vec<u32>,
+        prefill_scheduled: bool,
     ) -> CoreResult<()> {
         let threshold = self.config.long_prefill_token_threshold;
+        let k = self.config.num_speculative_tokens;
+        let num_running_scheduled = scheduled_order.len();
         while *budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(slot) = self.waiting.peek() else {
                 break;
@@ -541,6 +551,22 @@ impl Scheduler {
                 .kv
                 .get_computed_blocks(r.sequence(), &mut self.scratch.hits);
             let mut num_new = r.num_tokens() - hit_tokens;
+            // vLLM 0.33 (opt-in here): an admission with one token left to compute (a resume, a
+            // full prefix hit) joins a decode batch as a uniform 1 + K decode with K placeholder
+            // drafts, so the batch keeps one shape (CUDA graphs).
+            let pad = self.config.pad_admitted_decodes
+                && k > 0
+                && num_new == 1
+                && !prefill_scheduled
+                && (num_running_scheduled > 0 || hit_tokens > 0)
+                && hit_tokens + 1 + k + 1 <= self.config.max_model_len
+                && (threshold == 0 || threshold >= 1 + k);
+            if pad {
+                if 1 + k > *budget {
+                    break; // rather not schedule it than schedule it unpadded
+                }
+                num_new = 1 + k;
+            }
             if threshold > 0 && num_new > threshold {
                 num_new = threshold;
             }
@@ -586,6 +612,9 @@ impl Scheduler {
             self.scratch.new_blocks_start[s] = 0;
             self.scratch.computed_before[s] = hit_tokens as u32;
             self.scratch.spec[s].clear();
+            if pad {
+                self.scratch.spec[s].resize(k, PLACEHOLDER_TOKEN);
+            }
             scheduled_order.push(slot);
             *budget -= num_new;
         }
