@@ -559,7 +559,7 @@ impl Scheduler {
                 && num_new == 1
                 && !prefill_scheduled
                 && (num_running_scheduled > 0 || hit_tokens > 0)
-                && hit_tokens + 1 + k + 1 <= self.config.max_model_len
+                && hit_tokens + 1 + k < self.config.max_model_len // room for the sampled token
                 && (threshold == 0 || threshold >= 1 + k);
             if pad {
                 if 1 + k > *budget {
