@@ -560,7 +560,7 @@ impl Scheduler {
                 && !prefill_scheduled
                 && (num_running_scheduled > 0 || hit_tokens > 0)
                 && hit_tokens + 1 + k < self.config.max_model_len // room for the sampled token
-                && (threshold == 0 || threshold >= 1 + k);
+                && (threshold == 0 || threshold > k);
             if pad {
                 if 1 + k > *budget {
                     break; // rather not schedule it than schedule it unpadded
