@@ -82,7 +82,8 @@ wheel-check: $(WHEEL_STAMP) ## Install the wheel in a clean venv and check it is
 	scripts/check_wheel.sh dist/dflash_rs-*-abi3-*.whl
 
 .PHONY: fuzz-ci
-fuzz-ci: ## Bounded coverage-guided fuzzing of the core (30 s per target; see docs/FUZZING.md)
+fuzz-ci: ## Replay the fuzz corpus and regressions, then fuzz the core for 30 s per target
+	cd rust/fuzz && cargo test --release --quiet
 	scripts/fuzz.sh 30
 
 .PHONY: test-vllm

@@ -100,3 +100,26 @@ def test_request_outputs_stay_out_of_the_garbage_collector() -> None:
     (result,) = sched.update_from_output(out, _outputs_for(out))
     assert result.request_id == "a" and result.new_token_ids == [1]
     assert not gc.is_tracked(result)
+
+
+def test_prompt_whose_lookahead_overflows_the_pool_is_refused_at_admission() -> None:
+    # Found by the scheduler fuzz target ("stuck-pool"): 11 usable 1-token blocks, EAGLE K=1, an
+    # 11-token prompt. The prompt alone fits, but its last prefill step also writes the one
+    # lookahead slot, so it could never be admitted and blocked the queue forever.
+    import pytest
+
+    from dflash_rs import OutOfBlocksError, SpeculativeConfig
+
+    sched = Scheduler(
+        SchedulerConfig(
+            num_blocks=12, block_size=1, max_model_len=64, speculative=SpeculativeConfig("eagle", 1)
+        )
+    )
+    with pytest.raises(OutOfBlocksError, match="plus 1 lookahead slots needs 12 KV blocks"):
+        sched.add_request(Request("big", list(range(1, 12)), max_tokens=2))
+    sched.add_request(Request("fits", list(range(1, 11)), max_tokens=1))
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        assert out.req_ids == ["fits"], "the request that fits is served"
+        sched.update_from_output(out, _outputs_for(out))
+    sched.check_invariants()

@@ -97,6 +97,14 @@ impl SchedulerConfig {
         if self.max_num_batched_tokens == 0 {
             return Err(invalid!("max_num_batched_tokens must be positive"));
         }
+        if !self.enable_chunked_prefill && self.max_num_batched_tokens < self.max_model_len {
+            // A prompt longer than the budget could never be scheduled in one step.
+            return Err(invalid!(
+                "without chunked prefill, max_num_batched_tokens ({}) must be >= max_model_len ({})",
+                self.max_num_batched_tokens,
+                self.max_model_len
+            ));
+        }
         let spec = self.spec_method != SpecMethod::None;
         if spec && self.num_speculative_tokens == 0 {
             return Err(invalid!(

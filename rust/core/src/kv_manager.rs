@@ -221,7 +221,12 @@ impl KvCacheManager {
                 req.block_ids.len() * bs
             ));
         }
-        let end = args.num_computed_tokens + args.num_new_computed_tokens + args.num_new_tokens;
+        let end = args
+            .num_computed_tokens
+            .checked_add(args.num_new_computed_tokens)
+            .and_then(|x| x.checked_add(args.num_new_tokens))
+            .and_then(|x| x.checked_add(args.num_lookahead_tokens).map(|_| x))
+            .ok_or_else(|| invalid!("token counts overflow"))?;
         if end > self.max_model_len {
             return Err(CoreError::TooLong(format!(
                 "num_computed_tokens + num_new_computed_tokens + num_new_tokens = {end} exceeds \

@@ -262,11 +262,19 @@ impl Scheduler {
                 self.config.max_model_len
             )));
         }
-        let prompt_blocks = spec.prompt_token_ids.len().div_ceil(self.config.block_size);
+        // Its last prefill step writes the whole prompt plus the method's lookahead; a request
+        // the whole pool cannot hold would wait at the queue head forever.
+        let lookahead = self.lookahead_for(AllocationKind::Admission {
+            num_computed_tokens: 0,
+        });
+        let slots = (spec.prompt_token_ids.len() + lookahead).min(self.config.max_model_len);
+        let prompt_blocks = slots.div_ceil(self.config.block_size);
         if prompt_blocks > self.kv.pool().num_usable_blocks() {
             return Err(CoreError::OutOfBlocks(format!(
-                "request {:?}: its prompt needs {prompt_blocks} KV blocks but the pool has only {}",
+                "request {:?}: its prompt ({} tokens) plus {lookahead} lookahead slots needs \
+                 {prompt_blocks} KV blocks but the pool has only {}",
                 spec.request_id,
+                spec.prompt_token_ids.len(),
                 self.kv.pool().num_usable_blocks()
             )));
         }
@@ -592,6 +600,12 @@ impl Scheduler {
                 full_sequence_must_fit: true,
             };
             if self.kv.allocate_slots(&mut r.blocks, seq, args)?.is_none() {
+                if self.running.is_empty() {
+                    // Nothing holds a block, yet it does not fit (a resumed request that grew
+                    // past the pool): it never will. End it rather than block the queue.
+                    self.finish(slot, FinishReason::Error)?;
+                    continue;
+                }
                 break;
             }
             self.waiting.pop();

@@ -97,13 +97,18 @@ impl Scheduler {
             let tokens_start = out.new_token_ids.len() as u32;
             let was_running = r.status == RequestStatus::Running;
             let mut finish = None;
+            let mut kept = 0;
             for &t in sampled {
                 out.new_token_ids.push(t);
+                kept += 1;
                 finish = r.append_and_check_stop(t, max_model_len, self.hasher.as_ref());
                 if finish.is_some() {
                     break;
                 }
             }
+            // Tokens after a stop are discarded; so is their claim to computed KV (vLLM trims
+            // num_computed_tokens the same way before caching blocks).
+            r.num_computed_tokens -= (sampled.len() - kept).min(r.num_computed_tokens);
             if cache_at_update && was_running {
                 // As vLLM 0.33 does with speculative decoding: register the blocks that the
                 // accepted tokens filled now, not at the next allocation, so they stay
