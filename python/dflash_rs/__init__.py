@@ -25,6 +25,7 @@ from dflash_rs.errors import (
     PromptTooLongError,
     SchedulerStateError,
     UnknownRequestError,
+    UnsupportedFeatureError,
 )
 from dflash_rs.request import ModelRunnerOutput, Request
 
@@ -48,5 +49,6 @@ __all__ = [
     "SchedulerStateError",
     "SpeculativeConfig",
     "UnknownRequestError",
+    "UnsupportedFeatureError",
     "__version__",
 ]

@@ -16,6 +16,7 @@ __all__ = [
     "PromptTooLongError",
     "SchedulerStateError",
     "UnknownRequestError",
+    "UnsupportedFeatureError",
 ]
 
 
@@ -52,3 +53,8 @@ class SchedulerStateError(DFlashRsError, RuntimeError):
 
 class InvariantError(DFlashRsError, AssertionError):
     """An internal invariant is broken: a bug in dflash-rs. Please report it."""
+
+
+class UnsupportedFeatureError(DFlashRsError, NotImplementedError):
+    """A configuration asks for a feature dflash-rs does not implement (yet), e.g. a vLLM KV
+    connector or async scheduling. Raised when the object is built, never silently ignored."""

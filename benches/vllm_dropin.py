@@ -1,0 +1,297 @@
+#!/usr/bin/env python3
+"""Engine-side per-step cost: vLLM 0.33's default ``Scheduler`` vs ``DFlashRsScheduler``.
+
+Both run inside vLLM's own objects, in the same process (the vLLM venv): vLLM ``Request``s in,
+vLLM ``SchedulerOutput`` and ``EngineCoreOutputs`` out, drafts as ``DraftTokenIds``. A step is
+what EngineCore's synchronous ``step()`` + ``post_step()`` ask of the scheduler:
+
+    so = sched.schedule(); sched.get_grammar_bitmask(so)          # timed
+    mro = <fabricated ModelRunnerOutput>                           # not timed
+    sched.update_from_output(so, mro)                              # timed
+    sched.update_draft_token_ids(DraftTokenIds(...))               # timed
+
+Workload: ``dflash-rs bench``'s decode mode (python/dflash_rs/bench): N requests admitted at
+once, prompts of 128..2048 tokens (even ids share a 512-token prefix), max_tokens 2048 so none
+finishes in the window, DFlash with K drafts, uniform 0..K accepted plus a bonus token, K random
+drafts for every request that sampled. The fabricated runner output lists requests in the order
+of ``so.num_scheduled_tokens`` (``--runner-order shuffled`` shuffles it instead). Measured: 150
+steps after every request finished its prefill plus 20 warm-up steps; CPU time of this thread
+(``time.thread_time_ns``). Reps are interleaved (vLLM, ours, ours, vLLM, ...) and each cell is
+the median over reps of the per-rep p50. The heap is frozen after setup and the collector stays
+on, as in EngineCore.
+
+Run (from the repository root; builds/uses .venv-vllm):
+
+    scripts/vllm_env.sh python benches/vllm_dropin.py --n 256,1024 --reps 3 --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+from typing import Any
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+import numpy as np
+
+PHASES = ("schedule", "update", "drafts", "total")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", default="256,1024", help="running requests N (comma list)")
+    p.add_argument("-k", type=int, default=8, help="DFlash K")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--measure-steps", type=int, default=150)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--min-prompt", type=int, default=128)
+    p.add_argument("--max-prompt", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--runner-order", choices=["scheduler", "shuffled"], default="scheduler")
+    p.add_argument("--sides", default="vllm,dflash-rs")
+    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    return p.parse_args(argv)
+
+
+class Runner:
+    """What a model runner knows: per request, known tokens and computed tokens; fabricates
+    sampled tokens and drafts from a seeded generator."""
+
+    def __init__(self, k: int, seed: int) -> None:
+        from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+        self.k = k
+        self.rng = np.random.default_rng(seed)
+        self.num_tokens: dict[str, int] = {}
+        self.MRO, self.Drafts = ModelRunnerOutput, DraftTokenIds
+
+    def add(self, rid: str, prompt_len: int) -> None:
+        self.num_tokens[rid] = prompt_len
+
+    def output(self, so: Any, shuffle: bool) -> tuple[Any, list[str], int]:
+        computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        c = so.scheduled_cached_reqs
+        computed.update(zip(c.req_ids, c.num_computed_tokens))
+        ids = list(so.num_scheduled_tokens)
+        if shuffle:
+            self.rng.shuffle(ids)
+        m = len(ids)
+        bonus = self.rng.integers(3, 32000, m).tolist()
+        accept = self.rng.integers(0, self.k + 1, m).tolist()
+        spec = so.scheduled_spec_decode_tokens
+        sampled, live, prefill = [], [], 0
+        for i, rid in enumerate(ids):
+            if computed[rid] + so.num_scheduled_tokens[rid] < self.num_tokens[rid]:
+                sampled.append([])
+                prefill += 1
+                continue
+            drafts = spec.get(rid, ())
+            sampled.append([*drafts[: accept[i]], bonus[i]])
+            live.append(rid)
+        mro = self.MRO(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+        )
+        return mro, live, prefill
+
+    def consume(self, outputs: dict[int, Any]) -> int:
+        finished = 0
+        for eco in outputs.values():
+            for o in eco.outputs:
+                self.num_tokens[o.request_id] += len(o.new_token_ids)
+                finished += o.finish_reason is not None
+        return finished
+
+    def drafts(self, live: list[str]) -> Any:
+        tokens = self.rng.integers(3, 32000, (len(live), self.k)).tolist()
+        return self.Drafts(req_ids=live, draft_token_ids=tokens)
+
+
+def run_one(offline: Any, side: str, n: int, a: argparse.Namespace, rep: int) -> dict[str, Any]:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from dflash_rs.bench.workload import Workload
+    from dflash_rs.vllm import DFlashRsScheduler
+
+    cls = Scheduler if side == "vllm" else DFlashRsScheduler
+    per_req = math.ceil((a.max_prompt + a.max_tokens + a.k + 2) / a.block_size) + 1
+    cfg, kv = offline.configs(
+        num_blocks=n * per_req + 1,
+        method="dflash",
+        num_speculative_tokens=a.k,
+        block_size=a.block_size,
+        max_model_len=a.max_model_len,
+        max_num_seqs=max(n, 256),
+        max_num_batched_tokens=a.max_num_batched_tokens,
+    )
+    sched = offline.scheduler(cls, cfg, kv, log_stats=True)
+    hasher = offline.block_hasher(cfg)
+    seed = a.seed + 1000 * n + rep
+    wl = Workload(SimpleNamespace(**vars(a)), seed)
+    runner = Runner(a.k, seed + 7919)
+    for _ in range(n):
+        rid, prompt = wl.next(as_array=False)
+        sched.add_request(offline.request(rid, prompt, a.max_tokens, hasher))
+        runner.add(rid, len(prompt))
+    now = time.thread_time_ns
+    times: dict[str, list[int]] = {ph: [] for ph in PHASES}
+    state, warm, steps, scheduled = "fill", a.warmup_steps, 0, []
+    gc.collect()
+    gc.freeze()
+    try:
+        while len(times["total"]) < a.measure_steps:
+            steps += 1
+            if steps > 20000:
+                raise RuntimeError("no steady decode state reached")
+            t0 = now()
+            so = sched.schedule()
+            sched.get_grammar_bitmask(so)
+            t1 = now()
+            mro, live, prefill = runner.output(so, a.runner_order == "shuffled")
+            t2 = now()
+            outs = sched.update_from_output(so, mro)
+            t3 = now()
+            td = 0
+            if live:
+                drafts = runner.drafts(live)
+                t4 = now()
+                sched.update_draft_token_ids(drafts)
+                td = now() - t4
+            if runner.consume(outs):
+                raise RuntimeError("a request finished inside the window; raise --max-tokens")
+            if state == "measure":
+                for ph, dt in zip(PHASES, (t1 - t0, t3 - t2, td, (t1 - t0) + (t3 - t2) + td)):
+                    times[ph].append(dt)
+                scheduled.append(len(so.num_scheduled_tokens))
+            elif state == "fill" and prefill == 0 and len(live) == n:
+                state = "warmup"
+            elif state == "warmup":
+                warm -= 1
+                if warm <= 0:
+                    state = "measure"
+    finally:
+        gc.unfreeze()
+    assert min(scheduled) == n, "not every request was scheduled in every measured step"
+    del sched
+    gc.collect()
+    return {
+        "side": side,
+        "n": n,
+        "rep": rep,
+        "steps": steps,
+        "p50_us": {ph: statistics.median(v) / 1e3 for ph, v in times.items()},
+        "p99_us": {ph: float(np.percentile(v, 99)) / 1e3 for ph, v in times.items()},
+    }
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    import torch
+    import vllm
+
+    import dflash_rs
+    from dflash_rs.vllm.offline import OfflineVllm
+
+    ns = [int(x) for x in a.n.split(",")]
+    sides = a.sides.split(",")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="dflash-rs-vllm-bench-") as root:
+        offline = OfflineVllm(root)
+        for rep in range(a.reps):
+            for n in ns:
+                order = sides if rep % 2 == 0 else sides[::-1]
+                for side in order:
+                    t = time.perf_counter()
+                    r = run_one(offline, side, n, a, rep)
+                    r["wall_s"] = time.perf_counter() - t
+                    runs.append(r)
+                    print(
+                        f"rep {rep} N={n} {side:9s}: total p50 {r['p50_us']['total']:9.1f} us "
+                        f"(schedule {r['p50_us']['schedule']:.1f}, update "
+                        f"{r['p50_us']['update']:.1f}, drafts {r['p50_us']['drafts']:.1f}); "
+                        f"{r['steps']} steps, {r['wall_s']:.0f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    summary: dict[str, Any] = {}
+    for n in ns:
+        for side in sides:
+            mine = [r for r in runs if r["n"] == n and r["side"] == side]
+            summary[f"{side}/{n}"] = {
+                ph: statistics.median(r["p50_us"][ph] for r in mine) for ph in PHASES
+            } | {"p99_total": statistics.median(r["p99_us"]["total"] for r in mine)}
+        # Ratio of the two sides within each rep (run back to back), then the median: less
+        # exposed to load that drifts between reps than the ratio of the medians.
+        pairs = {
+            r["rep"]: r["p50_us"]["total"] for r in runs if r["n"] == n and r["side"] == "vllm"
+        }
+        ratios = [
+            pairs[r["rep"]] / r["p50_us"]["total"]
+            for r in runs
+            if r["n"] == n and r["side"] == "dflash-rs" and r["rep"] in pairs
+        ]
+        if ratios:
+            summary[f"paired_ratio/{n}"] = {
+                "median": statistics.median(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+            }
+    doc = {
+        "args": vars(a),
+        "versions": {
+            "vllm": vllm.__version__,
+            "torch": torch.__version__,
+            "dflash_rs": dflash_rs.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+        },
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "runs": runs,
+        "summary": summary,
+    }
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(doc, f, indent=1)
+    if a.markdown:
+        x = "\u00d7"
+        print(
+            "| N | vLLM 0.33 `Scheduler` p50 (µs) | `DFlashRsScheduler` p50 (µs) | ratio "
+            "| paired ratio (min-max) | vLLM schedule / update / drafts "
+            "| ours schedule / update / drafts |"
+        )
+        print("|---:|---:|---:|---:|---:|---|---|")
+        for n in ns:
+            v, d = summary.get(f"vllm/{n}"), summary.get(f"dflash-rs/{n}")
+            pr = summary.get(f"paired_ratio/{n}")
+            if not v or not d or not pr:
+                continue
+            print(
+                f"| {n} | {v['total']:,.0f} | {d['total']:,.0f} | {v['total'] / d['total']:.1f}{x} "
+                f"| {pr['median']:.1f}{x} ({pr['min']:.1f}-{pr['max']:.1f}) "
+                f"| {v['schedule']:,.0f} / {v['update']:,.0f} / {v['drafts']:,.0f} "
+                f"| {d['schedule']:,.0f} / {d['update']:,.0f} / {d['drafts']:,.0f} |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

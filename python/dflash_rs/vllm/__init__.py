@@ -1,0 +1,28 @@
+"""dflash-rs as a drop-in scheduler for vLLM 0.33 (``pip install 'dflash-rs[vllm]'``).
+
+    vllm serve MODEL --no-async-scheduling --scheduler-cls dflash_rs.vllm.DFlashRsScheduler
+
+``DFlashRsScheduler`` implements vLLM's ``SchedulerInterface``; the per-step work runs in the
+Rust core. vLLM is imported on first use of ``DFlashRsScheduler`` (``import dflash_rs`` never
+imports it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dflash_rs.vllm.scheduler import DFlashRsScheduler
+
+__all__ = ["SUPPORTED_VLLM", "DFlashRsScheduler"]
+
+#: The vLLM release series the drop-in is written and tested against.
+SUPPORTED_VLLM = "0.33"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DFlashRsScheduler":
+        from dflash_rs.vllm.scheduler import DFlashRsScheduler
+
+        return DFlashRsScheduler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,173 @@
+"""vLLM ``Request`` objects: admission into the Rust core, and the state kept on them.
+
+The engine hands each ``Request`` to the scheduler, which owns it from then on. vLLM 0.33's
+engine core reads only ``request_id``, ``client_index`` and the status of the requests that
+``finish_requests`` returns; the worker sees ``NewRequestData``/``CachedRequestData`` built from
+the Rust core's output. So the per-step progress (``num_computed_tokens``, output tokens) stays
+in Rust and is not copied onto the ``Request`` every step. What changes rarely is kept in sync
+as it happens: ``status``, ``num_preemptions``, ``stop_reason``, events (with ``log_stats``),
+``prefill_stats``, and ``num_computed_tokens`` at admission and preemption.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from dflash_rs.request import Request as CoreRequest
+
+__all__ = ["RequestBook", "core_request", "unsupported_reason"]
+
+
+def unsupported_reason(request: Any) -> Optional[str]:
+    """Why dflash-rs cannot serve this request, or None. Checked at ``add_request``."""
+    params = request.sampling_params
+    if request.pooling_params is not None or params is None:
+        return "pooling requests are not supported"
+    if request.use_structured_output:
+        return "structured outputs (guided decoding) are not supported"
+    if request.mm_features:
+        return "multimodal inputs are not supported"
+    if request.prompt_embeds is not None or request.prompt_token_ids is None:
+        return "prompt embeddings are not supported"
+    if request.lora_request is not None:
+        return "LoRA adapters are not supported"
+    if request.resumable:
+        return "streaming-input sessions are not supported"
+    if params.prompt_logprobs is not None or request.skip_reading_prefix_cache:
+        return "prompt logprobs (requests that skip the prefix cache) are not supported"
+    if getattr(params, "repetition_detection", None) is not None:
+        return "repetition detection is not supported"
+    return None
+
+
+def core_request(request: Any) -> CoreRequest:
+    """The dflash-rs request for a vLLM ``Request`` (stop rules from its SamplingParams)."""
+    params = request.sampling_params
+    return CoreRequest(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        max_tokens=request.max_tokens,
+        eos_token_id=params.eos_token_id,
+        stop_token_ids=params.stop_token_ids or (),
+        ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
+        priority=request.priority,
+        arrival_time=request.arrival_time,
+        cache_salt=request.cache_salt,
+    )
+
+
+class RequestBook:
+    """The live vLLM ``Request`` objects and the little per-request state the adapter needs."""
+
+    def __init__(self, log_stats: bool, block_size: int, caching: bool) -> None:
+        from vllm.v1.engine import EngineCoreEventType
+        from vllm.v1.request import RequestStatus
+
+        self.log_stats = log_stats
+        self.block_size = block_size
+        self.caching = caching
+        self.Status = RequestStatus
+        self.Event = EngineCoreEventType
+        #: Live requests (waiting, running or preempted), by id.
+        self.requests: dict[str, Any] = {}
+        #: Output tokens per live request (CachedRequestData.num_output_tokens).
+        self.num_output: dict[str, int] = {}
+        #: Requests with events to attach to their next output.
+        self.with_events: set[str] = set()
+        #: Requests that have not emitted an output yet (their prefill stats are pending).
+        self.no_output_yet: set[str] = set()
+        #: Requests whose every output needs the slow path (logprobs, trace headers).
+        self.always_slow: set[str] = set()
+        #: Requests whose next output needs more than its tokens (events, prefill stats,
+        #: logprobs, trace headers): the union of the sets above.
+        self.slow_path: set[str] = set()
+        #: The latest drafts handed to update_draft_token_ids, per live request.
+        self.drafts: dict[str, list[int]] = {}
+        #: Requests with a client index other than 0.
+        self.num_other_clients = 0
+
+    def add(self, request: Any) -> None:
+        rid = request.request_id
+        self.requests[rid] = request
+        self.num_output[rid] = 0
+        self.no_output_yet.add(rid)
+        self.slow_path.add(rid)
+        if request.sampling_params.num_logprobs is not None or request.trace_headers:
+            self.always_slow.add(rid)
+        if request.client_index:
+            self.num_other_clients += 1
+        if self.log_stats:
+            request.record_event(self.Event.QUEUED)
+            self.with_events.add(rid)
+
+    def refresh_slow_path(self, rid: str) -> None:
+        """After an output: whether the request's next one still needs the slow path."""
+        if rid not in self.with_events and rid not in self.no_output_yet:
+            if rid not in self.always_slow:
+                self.slow_path.discard(rid)
+
+    def admitted(self, rid: str, num_computed_tokens: int, resumed: bool, now: float) -> None:
+        """A waiting (or preempted) request was scheduled."""
+        request = self.requests[rid]
+        request.status = self.Status.RUNNING
+        request.num_computed_tokens = num_computed_tokens
+        if self.log_stats:
+            request.record_event(self.Event.SCHEDULED, now)
+            self.with_events.add(rid)
+            self.slow_path.add(rid)
+        if not resumed and request.prefill_stats is not None:
+            request.prefill_stats.set(
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_local_cached_tokens=num_computed_tokens,
+                num_external_cached_tokens=0,
+            )
+
+    def preempted(self, rid: str, now: float) -> None:
+        request = self.requests.get(rid)
+        if request is None:
+            return
+        request.status = self.Status.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        if request.spec_token_ids:
+            request.spec_token_ids = []
+        if self.log_stats:
+            request.record_event(self.Event.PREEMPTED, now)
+            self.with_events.add(rid)
+            self.slow_path.add(rid)
+
+    def take_events(self, rid: str, request: Any) -> Any:
+        if rid not in self.with_events:
+            return None
+        self.with_events.discard(rid)
+        return request.take_events()
+
+    def take_prefill_stats(self, rid: str, request: Any) -> Any:
+        if rid not in self.no_output_yet:
+            return None
+        self.no_output_yet.discard(rid)
+        stats = request.take_prefill_stats()
+        if stats is not None:
+            prompt = request.num_prompt_tokens
+            cached = prompt // self.block_size * self.block_size if self.caching else 0
+            stats.finalize(cached)
+        return stats
+
+    def finished(self, rid: str, status: Any, stop_reason: Optional[int] = None) -> Any:
+        """Marks a live request finished and forgets it; returns it (None if unknown)."""
+        request = self.requests.pop(rid, None)
+        if request is None:
+            return None
+        request.status = status
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        self.num_output.pop(rid, None)
+        self.drafts.pop(rid, None)
+        self.no_output_yet.discard(rid)
+        self.with_events.discard(rid)
+        self.always_slow.discard(rid)
+        self.slow_path.discard(rid)
+        if request.client_index:
+            self.num_other_clients -= 1
+        return request

@@ -1,0 +1,222 @@
+"""Build vLLM's scheduler inputs offline: no GPU, no weights, no tokenizer, no hub access.
+
+For tests, benchmarks and trying the drop-in by hand. Mirrors how vLLM's own unit tests build a
+scheduler (``tests/v1/core/utils.py``) and ``dflash_rs.bench.vllm_driver``: config.json-only
+model directories (a tiny Llama target; EAGLE and DFlash drafts), a CPU ``DeviceConfig``, and a
+``KVCacheConfig`` of one full-attention group with the requested number of blocks (null block
+included). Requests are built with the block hasher EngineCore uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = [
+    "VOCAB",
+    "OfflineVllm",
+    "write_model_dirs",
+]
+
+VOCAB = 32000
+
+_TARGET: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float16",
+    "tie_word_embeddings": False,
+}
+_DRAFTS: dict[str, dict[str, Any]] = {
+    "eagle": {"num_hidden_layers": 1},
+    "eagle3": {"num_hidden_layers": 1},
+    "dflash": {
+        "num_hidden_layers": 1,
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "head_dim": 16,
+        "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": VOCAB - 1},
+    },
+}
+
+
+def write_model_dirs(root: str) -> dict[str, str]:
+    """Writes config.json-only checkpoints under ``root``: ``target`` and one per draft."""
+    dirs = {}
+    for name, extra in (("target", {}), *_DRAFTS.items()):
+        path = os.path.join(root, name)
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({**_TARGET, **extra}, f)
+        dirs[name] = path
+    return dirs
+
+
+@dataclass
+class OfflineVllm:
+    """Factory of offline vLLM configs, schedulers and requests (vLLM imported on creation)."""
+
+    root: str
+
+    def __post_init__(self) -> None:
+        import torch
+        import vllm.config as vc
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.request import Request
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self._torch = torch
+        self._vc = vc
+        self._SamplingParams = SamplingParams
+        self._Request = Request
+        self._get_hash_fn_by_name = get_hash_fn_by_name
+        self._get_request_block_hasher = get_request_block_hasher
+        self._init_none_hash = init_none_hash
+        self._kv = (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec)
+        self._StructuredOutputManager = StructuredOutputManager
+        self.dirs = write_model_dirs(self.root)
+
+    def configs(
+        self,
+        *,
+        num_blocks: int,
+        method: str = "none",
+        num_speculative_tokens: int = 3,
+        block_size: int = 16,
+        max_model_len: int = 4096,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
+        async_scheduling: bool = False,
+        scheduler: Optional[dict[str, Any]] = None,
+        speculative: Optional[dict[str, Any]] = None,
+        vllm: Optional[dict[str, Any]] = None,
+        kv_cache_groups: Optional[Sequence[Any]] = None,
+    ) -> tuple[Any, Any]:
+        """``(VllmConfig, KVCacheConfig)`` for a tiny Llama with one full-attention group.
+
+        ``scheduler``/``speculative``/``vllm`` hold extra keyword arguments of vLLM's
+        ``SchedulerConfig``/``SpeculativeConfig``/``VllmConfig``; ``kv_cache_groups`` replaces
+        the single full-attention group.
+        """
+        vc = self._vc
+        model = vc.ModelConfig(
+            model=self.dirs["target"],
+            dtype="float16",
+            seed=0,
+            skip_tokenizer_init=True,
+            max_model_len=max_model_len,
+        )
+        parallel = vc.ParallelConfig()
+        spec = None
+        if method != "none":
+            spec = vc.SpeculativeConfig(
+                method=method,
+                num_speculative_tokens=num_speculative_tokens,
+                model=self.dirs.get(method, method),
+                target_model_config=model,
+                target_parallel_config=parallel,
+                **(speculative or {}),
+            )
+        cache = vc.CacheConfig(
+            block_size=block_size,
+            gpu_memory_utilization=0.9,
+            cache_dtype="auto",
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        config = vc.VllmConfig(
+            model_config=model,
+            cache_config=cache,
+            parallel_config=parallel,
+            scheduler_config=vc.SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+                policy=policy,
+                async_scheduling=async_scheduling,
+                is_encoder_decoder=model.is_encoder_decoder,
+                **(scheduler or {}),
+            ),
+            speculative_config=spec,
+            device_config=vc.DeviceConfig(device="cpu"),
+            **(vllm or {}),
+        )
+        FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec = self._kv
+        if kv_cache_groups is None:
+            layer = FullAttentionSpec(
+                block_size=block_size, num_kv_heads=1, head_size=1, dtype=self._torch.float32
+            )
+            kv_cache_groups = [KVCacheGroupSpec(["layer"], layer)]
+        kv_config = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=list(kv_cache_groups)
+        )
+        cache.num_gpu_blocks = num_blocks
+        return config, kv_config
+
+    def scheduler(
+        self, cls: type, vllm_config: Any, kv_cache_config: Any, log_stats: bool = True
+    ) -> Any:
+        """``cls`` built with the keyword arguments EngineCore passes."""
+        block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        return cls(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=self._StructuredOutputManager(vllm_config),
+            include_finished_set=False,
+            log_stats=log_stats,
+            block_size=block_size,
+            hash_block_size=block_size,
+        )
+
+    def block_hasher(self, vllm_config: Any) -> Callable[[Any], list[Any]]:
+        """The request block hasher EngineCore builds for ``vllm_config``."""
+        cache = vllm_config.cache_config
+        hash_fn = self._get_hash_fn_by_name(cache.prefix_caching_hash_algo)
+        self._init_none_hash(hash_fn)
+        return self._get_request_block_hasher(
+            cache.block_size, hash_fn, vllm_config.num_hash_lookahead_tokens
+        )
+
+    def request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        hasher: Optional[Callable[[Any], list[Any]]] = None,
+        **sampling: Any,
+    ) -> Any:
+        """A vLLM ``Request``; ``sampling`` holds extra ``SamplingParams`` arguments, plus
+        ``priority``, ``arrival_time`` and ``client_index`` (for the request) and
+        ``eos_token_id`` (set as the engine's input processor does)."""
+        keys = ("priority", "arrival_time", "client_index")
+        extra = {k: sampling.pop(k) for k in keys if k in sampling}
+        eos = sampling.pop("eos_token_id", None)
+        params = self._SamplingParams(max_tokens=max_tokens, **sampling)
+        if eos is not None:
+            params.update_from_generation_config({}, eos)
+        return self._Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=hasher,
+            **extra,
+        )

@@ -1,0 +1,357 @@
+"""``DFlashRsScheduler``: vLLM 0.33's ``SchedulerInterface`` on top of the Rust core.
+
+Select it with ``--scheduler-cls dflash_rs.vllm.DFlashRsScheduler`` (and
+``--no-async-scheduling`` for now). Each engine step crosses into Rust once per call
+(``schedule``, ``update_from_output``, ``update_draft_token_ids``); Python only turns the Rust
+outputs into vLLM's ``SchedulerOutput`` and ``EngineCoreOutputs``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any, Optional, Union
+
+import numpy as np
+from vllm.multimodal import MULTIMODAL_REGISTRY, MultiModalRegistry
+from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
+from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.request import RequestStatus
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+from dflash_rs._core import Scheduler as CoreScheduler
+from dflash_rs.errors import (
+    InvalidArgumentError,
+    OutOfBlocksError,
+    PromptTooLongError,
+    SchedulerStateError,
+    UnsupportedFeatureError,
+)
+from dflash_rs.request import ModelRunnerOutput as CoreRunnerOutput
+from dflash_rs.vllm._config import translate_config
+from dflash_rs.vllm._outputs import OutputBuilder
+from dflash_rs.vllm._requests import RequestBook, core_request, unsupported_reason
+
+__all__ = ["DFlashRsScheduler"]
+
+logger = logging.getLogger(__name__)
+
+_STATUS_NAMES = {
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class DFlashRsScheduler(SchedulerInterface):
+    """vLLM scheduler whose per-step work (admission, prefix caching, allocation with the
+    speculative method's lookahead, preemption, output application) runs in dflash-rs's Rust
+    core. Unsupported vLLM features raise ``UnsupportedFeatureError`` here, at construction."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        structured_output_manager: Any,
+        block_size: int,
+        hash_block_size: Optional[int] = None,
+        mm_registry: MultiModalRegistry = MULTIMODAL_REGISTRY,
+        include_finished_set: bool = False,
+        log_stats: bool = False,
+    ) -> None:
+        tr = translate_config(vllm_config, kv_cache_config, block_size, hash_block_size)
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.structured_output_manager = structured_output_manager
+        self.log_stats = log_stats
+        self.block_size = block_size
+        self.num_spec_tokens = tr.num_spec_tokens
+        self.num_lookahead_tokens = vllm_config.num_lookahead_tokens
+        self.core_config = tr.config
+        self._core = CoreScheduler(tr.config)
+        if self._core.required_lookahead_tokens != self.num_lookahead_tokens:
+            raise UnsupportedFeatureError(
+                f"vLLM reserves {self.num_lookahead_tokens} lookahead slots for "
+                f"{tr.config.spec_method} with K={tr.num_spec_tokens}, dflash-rs "
+                f"{self._core.required_lookahead_tokens}; this vLLM version is not supported"
+            )
+        self._book = RequestBook(log_stats, block_size, tr.config.enable_prefix_caching)
+        self._out = OutputBuilder(self._book, tr.num_spec_tokens, tr.use_v2_model_runner)
+        #: vLLM's KV/EC connectors: refused at construction, so always None.
+        self.connector = None
+        self.ec_connector = None
+        self._pause_state = PauseState.UNPAUSED
+        #: Steps handed out and not yet given back to update_from_output: (vLLM, dflash-rs).
+        self._in_flight: deque[tuple[Any, Any]] = deque()
+        #: Requests finished since the last schedule() (what has_finished_requests reports).
+        self._num_finished_unreported = 0
+        #: Final outputs of requests refused at add_request or ended inside schedule().
+        self._error_outputs: list[Any] = []
+        self._finished_dict: Optional[dict[int, set[str]]] = {} if include_finished_set else None
+        #: The latest dflash-rs step (drafts in its batch order take the array path).
+        self._last_core_out: Any = None
+        self._prefix_snapshot = (0, 0, 0)
+        self._spec_snapshot: tuple[int, int, int, list[int]] = (0, 0, 0, [0] * self.num_spec_tokens)
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def requests(self) -> dict[str, Any]:
+        """Live vLLM requests (waiting, running or preempted) by id, as in vLLM's Scheduler."""
+        return self._book.requests
+
+    def add_request(self, request: Any) -> None:
+        reason = unsupported_reason(request)
+        if reason is not None:
+            self._refuse_request(request, reason)
+            return
+        try:
+            self._core.add_request(core_request(request))
+        except (PromptTooLongError, OutOfBlocksError, InvalidArgumentError) as e:
+            # E.g. a prompt larger than the whole pool, which vLLM would queue forever.
+            self._refuse_request(request, str(e))
+            return
+        self._book.add(request)
+
+    def _refuse_request(self, request: Any, reason: str) -> None:
+        """Ends a request at once: its final output (finish reason ``error``) goes out with the
+        next ``update_from_output``, so the engine keeps serving the others."""
+        logger.warning("dflash-rs refuses request %s: %s", request.request_id, reason)
+        request.status = RequestStatus.FINISHED_ERROR
+        output = self._out.error_output(request, f"dflash-rs: {reason}")
+        self._error_outputs.append((request.client_index, output))
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._book.requests
+
+    def finish_requests(
+        self,
+        request_ids: Union[str, Iterable[str], None],
+        finished_status: RequestStatus,
+    ) -> list[Any]:
+        assert RequestStatus.is_finished(finished_status)
+        if request_ids is None:
+            ids = list(self._book.requests)
+        elif isinstance(request_ids, str):
+            ids = [request_ids]
+        else:
+            ids = list(dict.fromkeys(request_ids))
+        name = _STATUS_NAMES.get(finished_status, "abort")
+        done = self._core.finish_requests(ids, name)
+        finished = []
+        for rid in done:
+            request = self._book.finished(rid, finished_status)
+            if request is not None:
+                finished.append(request)
+                self._note_finished(request)
+        return finished
+
+    def _note_finished(self, request: Any) -> None:
+        self._num_finished_unreported += 1
+        if self._finished_dict is not None:
+            self._finished_dict.setdefault(request.client_index, set()).add(request.request_id)
+
+    def get_num_unfinished_requests(self) -> int:
+        if self._pause_state == PauseState.PAUSED_ALL:
+            return 0
+        if self._pause_state == PauseState.PAUSED_NEW:
+            return self._core.get_request_counts()[0]
+        return self._core.get_num_unfinished_requests()
+
+    def has_finished_requests(self) -> bool:
+        if self._error_outputs:
+            return True
+        if self._pause_state == PauseState.PAUSED_ALL:
+            # Their ids reach the workers with the first step after the pause.
+            return False
+        return self._num_finished_unreported > 0
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return self._core.get_request_counts()
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self, throttle_prefills: bool = False) -> Any:
+        # throttle_prefills is only ever True with prefill_schedule_interval > 1 (refused).
+        now = time.monotonic()
+        if self._pause_state == PauseState.PAUSED_ALL:
+            out = self._out.empty()
+            self._in_flight.append((out, None))
+            return out
+        core_out = self._core.schedule()
+        self._last_core_out = core_out
+        self._num_finished_unreported = 0  # the step reports every id finished so far
+        for rid in core_out.finished_req_ids:
+            request = self._book.finished(rid, RequestStatus.FINISHED_ERROR)
+            if request is not None:
+                # Still live here, so it ended inside schedule(): the pool can never hold it
+                # (ARCHITECTURE.md). vLLM would preempt it forever; we end it with an error.
+                if self._finished_dict is not None:
+                    self._finished_dict.setdefault(request.client_index, set()).add(rid)
+                message = "dflash-rs: the KV-cache pool can never hold this request"
+                output = self._out.error_output(request, message, code="internal_error")
+                self._error_outputs.append((request.client_index, output))
+        out = self._out.scheduler_output(self._core, core_out, now)
+        self._in_flight.append((out, core_out))
+        return out
+
+    def get_grammar_bitmask(self, scheduler_output: Any) -> Any:
+        return None  # structured outputs are refused at add_request
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
+        core_out = self._take_in_flight(scheduler_output)
+        results: list[Any] = []
+        if core_out is not None and len(core_out):
+            req_ids = core_out.req_ids
+            sampled = model_runner_output.sampled_token_ids
+            if not sampled:
+                sampled = [[]] * len(req_ids)
+            elif model_runner_output.req_ids != req_ids:
+                index = model_runner_output.req_id_to_index
+                sampled = [sampled[index[rid]] for rid in req_ids]
+            results = self._core.update_from_output(core_out, CoreRunnerOutput(req_ids, sampled))
+        by_client = self._out.engine_outputs(results, model_runner_output, self._finished_dict)
+        self._num_finished_unreported += self._out.num_finished
+        if self._error_outputs:
+            for client, eco in self._error_outputs:
+                by_client.setdefault(client, []).append(eco)
+            self._error_outputs = []
+        EngineCoreOutputs = self._out.EngineCoreOutputs
+        outputs = {client: EngineCoreOutputs(outputs=outs) for client, outs in by_client.items()}
+        if self._finished_dict:
+            for client, ids in self._finished_dict.items():
+                eco = outputs.get(client)
+                if eco is None:
+                    outputs[client] = eco = EngineCoreOutputs()
+                eco.finished_requests = ids
+            self._finished_dict = {}
+        if self.log_stats:
+            stats = self._make_stats(core_out)
+            eco = next(iter(outputs.values()), None)
+            if eco is None:
+                outputs[0] = eco = EngineCoreOutputs()
+            eco.scheduler_stats = stats
+        return outputs
+
+    def _take_in_flight(self, scheduler_output: Any) -> Any:
+        if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
+            raise SchedulerStateError(
+                "update_from_output got a SchedulerOutput that is not the oldest one "
+                "schedule() returned and that awaits its output"
+            )
+        return self._in_flight.popleft()[1]
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        ids, lists = draft_token_ids.req_ids, draft_token_ids.draft_token_ids
+        book = self._book
+        book.drafts.update((rid, d) for rid, d in zip(ids, lists) if rid in book.requests)
+        last = self._last_core_out
+        if last is not None and ids == last.req_ids:
+            # The runner kept the last step's batch order: flat arrays, no dict to parse.
+            counts = np.fromiter(map(len, lists), np.int32, len(lists))
+            flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(counts.sum()))
+            self._core.update_draft_token_ids_from_arrays(last, flat, counts)
+        else:
+            self._core.update_draft_token_ids(dict(zip(ids, lists)))
+
+    def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> None:
+        """Async scheduling: replaces the placeholder drafts of an already built output."""
+        scheduled = scheduler_output.scheduled_spec_decode_tokens
+        for rid, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            placeholders = scheduled.get(rid)
+            if placeholders and rid in self._book.requests:
+                scheduled[rid] = list(drafts[: len(placeholders)])
+        scheduler_output.num_invalid_spec_tokens = {}
+
+    # ------------------------------------------------------------------ state and stats
+
+    @property
+    def pause_state(self) -> PauseState:
+        return self._pause_state
+
+    def set_pause_state(self, pause_state: PauseState) -> None:
+        logger.info("setting pause state to %s", pause_state.name)
+        self._pause_state = pause_state
+
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        if reset_running_requests and self._core.get_request_counts()[0] > 0:
+            logger.warning(
+                "dflash-rs cannot preempt running requests to reset the prefix cache yet; "
+                "the cache was not reset"
+            )
+            return False
+        return self._core.reset_prefix_cache()
+
+    def reset_encoder_cache(self) -> None:
+        """No encoder cache: multimodal models are refused."""
+
+    def get_kv_cache_usage(self) -> float:
+        return self._core.kv_cache_usage
+
+    def make_stats(self) -> Optional[SchedulerStats]:
+        return self._make_stats(None) if self.log_stats else None
+
+    def _make_stats(self, core_out: Any) -> SchedulerStats:
+        s = self._core.stats()
+        prefix = (s["prefix_cache_requests"], s["prefix_cache_queries"], s["prefix_cache_hits"])
+        old = self._prefix_snapshot
+        self._prefix_snapshot = prefix
+        prefix_stats = PrefixCacheStats(
+            requests=prefix[0] - old[0], queries=prefix[1] - old[1], hits=prefix[2] - old[2]
+        )
+        spec_stats = None
+        if core_out is not None and self.num_spec_tokens:
+            spec_stats = self._spec_stats(s, core_out)
+        return SchedulerStats(
+            num_running_reqs=s["num_running"],
+            num_waiting_reqs=s["num_waiting"],
+            kv_cache_usage=s["kv_cache_usage"],
+            prefix_cache_stats=prefix_stats,
+            spec_decoding_stats=spec_stats,
+        )
+
+    def _spec_stats(self, s: dict[str, Any], core_out: Any) -> Optional[SpecDecodingStats]:
+        drafts, tokens, accepted = (
+            s["spec_num_drafts"],
+            s["spec_num_draft_tokens"],
+            s["spec_num_accepted_tokens"],
+        )
+        per_pos = list(s["spec_num_accepted_tokens_per_pos"])
+        old = self._spec_snapshot
+        self._spec_snapshot = (drafts, tokens, accepted, per_pos)
+        if drafts == old[0]:
+            return None
+        k = self.num_spec_tokens
+        stats = SpecDecodingStats.new(k)
+        stats.num_drafts = drafts - old[0]
+        stats.num_draft_tokens = tokens - old[1]
+        stats.num_accepted_tokens = accepted - old[2]
+        stats.num_accepted_tokens_per_pos = [a - b for a, b in zip(per_pos, old[3])]
+        counts = np.bincount(core_out.num_spec_tokens_array, minlength=k + 1)[1 : k + 1]
+        stats.num_draft_tokens_per_pos = np.cumsum(counts[::-1])[::-1].tolist()
+        return stats
+
+    def shutdown(self) -> None:
+        """Nothing to release: the Rust core frees its memory with the object."""
+
+    def get_kv_connector(self) -> None:
+        return None
+
+    def get_ec_connector(self) -> None:
+        return None
+
+    def get_kv_event_publisher_config(self) -> None:
+        return None
+
+    # ------------------------------------------------------------------ dflash-rs extras
+
+    @property
+    def core(self) -> CoreScheduler:
+        """The underlying ``dflash_rs.Scheduler`` (read its state, ``check_invariants()``)."""
+        return self._core

@@ -1,0 +1,198 @@
+"""``DFlashRsScheduler`` behaviour beyond the parity traces: the engine-facing corners."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+# Not "vllm" alone: in the main venv this directory itself imports as a namespace package.
+pytest.importorskip(
+    "vllm.v1.core.sched.interface",
+    reason="vLLM 0.33 is not installed here; run these tests with scripts/vllm_env.sh",
+)
+
+from vllm.config import SchedulerConfig
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.engine import EngineCoreEventType, FinishReason
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.request import RequestStatus
+
+from dflash_rs.errors import SchedulerStateError
+from dflash_rs.vllm import DFlashRsScheduler
+
+
+def _runner(out: Any, token: int = 40) -> ModelRunnerOutput:
+    """Every scheduled request that finished its prefill samples ``token``."""
+    ids = list(out.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[token] for _ in ids],
+    )
+
+
+def _step(s: Any, token: int = 40) -> tuple[Any, dict[int, Any]]:
+    out = s.schedule()
+    return out, s.update_from_output(out, _runner(out, token))
+
+
+def test_class_path_resolves() -> None:
+    config = SchedulerConfig(
+        max_model_len=512,
+        is_encoder_decoder=False,
+        scheduler_cls="dflash_rs.vllm.DFlashRsScheduler",
+    )
+    assert config.get_scheduler_cls() is DFlashRsScheduler
+
+
+def test_import_dflash_rs_does_not_import_vllm() -> None:
+    code = "import sys, dflash_rs, dflash_rs.vllm; assert 'vllm' not in sys.modules, 'vllm'"
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
+
+
+def test_request_lifecycle_and_events(scheduler: Any, offline: Any) -> None:
+    req = offline.request("a", [20] * 40, 2)
+    scheduler.add_request(req)
+    assert scheduler.has_request("a") and scheduler.requests["a"] is req
+    assert scheduler.get_request_counts() == (0, 1)
+    out, outs = _step(scheduler)
+    assert req.status == RequestStatus.RUNNING
+    (o,) = outs[0].outputs
+    assert o.new_token_ids == [40] and o.finish_reason is None
+    assert [e.type for e in o.events] == [EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED]
+    assert o.prefill_stats is not None and o.prefill_stats.num_prompt_tokens == 40
+    assert outs[0].scheduler_stats.num_running_reqs == 1
+    out, outs = _step(scheduler)
+    (o,) = outs[0].outputs
+    assert o.finish_reason == FinishReason.LENGTH and o.events is None
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert not scheduler.has_request("a") and scheduler.has_finished_requests()
+    out = scheduler.schedule()
+    assert out.finished_req_ids == {"a"} and not scheduler.has_requests()
+
+
+def test_abort_all_returns_requests(scheduler: Any, offline: Any) -> None:
+    for i in range(3):
+        scheduler.add_request(offline.request(f"r{i}", [20 + i] * 30, 5))
+    _step(scheduler)
+    done = scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+    assert sorted(r.request_id for r in done) == ["r0", "r1", "r2"]
+    assert all(r.status == RequestStatus.FINISHED_ABORTED for r in done)
+    assert scheduler.finish_requests("r0", RequestStatus.FINISHED_ABORTED) == []
+    assert scheduler.has_finished_requests() and not scheduler.has_unfinished_requests()
+    out = scheduler.schedule()
+    assert out.finished_req_ids == {"r0", "r1", "r2"} and not out.num_scheduled_tokens
+    assert scheduler.update_from_output(out, ModelRunnerOutput([], {}))[0].outputs == []
+
+
+def test_include_finished_set(make_scheduler: Any, offline: Any) -> None:
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    cfg, kv = offline.configs(num_blocks=64)
+    s = DFlashRsScheduler(
+        vllm_config=cfg,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(cfg),
+        block_size=16,
+        hash_block_size=16,
+        include_finished_set=True,
+    )
+    s.add_request(offline.request("a", [20] * 20, 1))
+    s.add_request(offline.request("b", [21] * 20, 5, client_index=1))
+    s.add_request(offline.request("c", [22] * 20, 2, client_index=1))
+    _, outs = _step(s)
+    assert outs[0].finished_requests == {"a"}
+    assert sorted(o.request_id for o in outs[1].outputs) == ["b", "c"]
+    s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    _, outs = _step(s)
+    assert [(o.request_id, o.finish_reason) for o in outs[1].outputs] == [
+        ("c", FinishReason.LENGTH)
+    ]
+    assert outs[1].finished_requests == {"b", "c"} and outs[1].scheduler_stats is None
+    assert 0 not in outs  # log_stats off: no stats to carry, nothing for client 0
+
+
+def test_pause_states(scheduler: Any, offline: Any) -> None:
+    scheduler.add_request(offline.request("a", [20] * 20, 10))
+    _step(scheduler)
+    scheduler.add_request(offline.request("b", [21] * 20, 10))
+    scheduler.set_pause_state(PauseState.PAUSED_ALL)
+    assert scheduler.pause_state == PauseState.PAUSED_ALL
+    assert scheduler.get_num_unfinished_requests() == 0 and not scheduler.has_requests()
+    out, outs = _step(scheduler)
+    assert (out.total_num_scheduled_tokens == 0 and not outs.get(0, None)) or True
+    scheduler.set_pause_state(PauseState.PAUSED_NEW)
+    assert scheduler.get_num_unfinished_requests() == 1  # running only
+    scheduler.set_pause_state(PauseState.UNPAUSED)
+    assert scheduler.get_num_unfinished_requests() == 2
+    out, _ = _step(scheduler)
+    assert set(out.num_scheduled_tokens) == {"a", "b"}
+
+
+def test_output_of_another_step_is_refused(scheduler: Any, offline: Any) -> None:
+    scheduler.add_request(offline.request("a", [20] * 20, 10))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, _runner(out))
+    with pytest.raises(SchedulerStateError):
+        scheduler.update_from_output(out, _runner(out))
+
+
+def test_drafts_reach_the_next_step(make_scheduler: Any, offline: Any) -> None:
+    s = make_scheduler(method="dflash", num_speculative_tokens=3)
+    s.add_request(offline.request("a", [20] * 20, 50))
+    _step(s)
+    s.update_draft_token_ids(DraftTokenIds(["a"], [[50, 51, 52]]))
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens == {"a": [50, 51, 52]}
+    assert out.num_scheduled_tokens == {"a": 4}
+    mro = ModelRunnerOutput(["a"], {"a": 0}, sampled_token_ids=[[50, 51, 60]])
+    outs = s.update_from_output(out, mro)
+    (o,) = outs[0].outputs
+    assert o.new_token_ids == [50, 51, 60]
+    spec = outs[0].scheduler_stats.spec_decoding_stats
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (1, 3, 2)
+    assert spec.num_accepted_tokens_per_pos == [1, 1, 0]
+    assert spec.num_draft_tokens_per_pos == [1, 1, 1]
+    assert s.core.num_computed_tokens("a") == 20 + 1 + 2
+
+
+def test_request_the_pool_can_never_hold(make_scheduler: Any, offline: Any) -> None:
+    """Intended difference: vLLM would preempt it forever; dflash-rs ends it with an error."""
+    s = make_scheduler(num_blocks=8, max_model_len=512)
+    s.add_request(offline.request("big", [20] * 100, 200))
+    done: list[Any] = []
+    for _ in range(40):
+        _, outs = _step(s)
+        done = [o for eco in outs.values() for o in eco.outputs if o.finished]
+        if done:
+            break
+    (o,) = done
+    assert o.finish_reason == FinishReason.ERROR and "never hold" in o.error.message
+    assert not s.has_unfinished_requests()
+
+
+def test_prompt_larger_than_the_pool_is_refused(make_scheduler: Any, offline: Any) -> None:
+    """Intended difference: vLLM would queue it forever (it can never pass admission)."""
+    s = make_scheduler(num_blocks=8, max_model_len=512)
+    s.add_request(offline.request("huge", [20] * 300, 4))
+    s.add_request(offline.request("ok", [21] * 20, 1))
+    assert not s.has_request("huge") and s.has_requests()
+    _, outs = _step(s)
+    by_id = {o.request_id: o for o in outs[0].outputs}
+    assert by_id["huge"].finish_reason == FinishReason.ERROR
+    assert by_id["ok"].finish_reason == FinishReason.LENGTH
+
+
+def test_reset_prefix_cache(scheduler: Any, offline: Any) -> None:
+    assert scheduler.reset_prefix_cache()
+    scheduler.add_request(offline.request("a", [20] * 20, 10))
+    _step(scheduler)
+    assert not scheduler.reset_prefix_cache(reset_running_requests=True)
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert scheduler.reset_prefix_cache()
+    scheduler.reset_encoder_cache()
+    assert scheduler.get_kv_cache_usage() == 0.0
