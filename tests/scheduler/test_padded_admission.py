@@ -92,3 +92,26 @@ def test_padding_only_joins_pure_decode_batches() -> None:
     assert "b" in out.req_ids
     assert out.num_scheduled_tokens["b"] == 1
     assert "b" not in out.scheduled_spec_decode_tokens
+
+
+def test_a_budget_below_one_plus_k_does_not_block_a_lone_admission() -> None:
+    # Found by the stateful test: with nothing running, a full prefix hit padded to 1 + K
+    # tokens never fit a 3-token budget, so the request waited forever.
+    s = Scheduler(
+        SchedulerConfig(
+            num_blocks=9,
+            block_size=1,
+            max_model_len=8,
+            max_num_seqs=1,
+            max_num_batched_tokens=3,
+            speculative=SpeculativeConfig("ngram", K),
+            pad_admitted_decodes=True,
+        )
+    )
+    s.add_request(Request("a", [1, 2, 3, 4, 5], 1))
+    while s.has_unfinished_requests():
+        _step(s)
+    s.add_request(Request("b", [1, 2, 3, 4, 5], 1))
+    out = _step(s)
+    assert out.req_ids == ["b"] and out.num_scheduled_tokens["b"] == 1
+    assert not s.has_unfinished_requests()

@@ -569,10 +569,14 @@ impl Scheduler {
                 && (num_running_scheduled > 0 || hit_tokens > 0)
                 && hit_tokens + 1 + k < self.config.max_model_len // room for the sampled token
                 && (threshold == 0 || threshold > k);
-            if pad {
-                if 1 + k > *budget {
-                    break; // rather not schedule it than schedule it unpadded
+            let pad = pad && {
+                if 1 + k > *budget && num_running_scheduled > 0 {
+                    break; // vLLM: rather not schedule it than schedule it unpadded
                 }
+                // Alone, a budget below 1 + K would block it forever: schedule it unpadded.
+                k < *budget
+            };
+            if pad {
                 num_new = 1 + k;
             }
             if threshold > 0 && num_new > threshold {
