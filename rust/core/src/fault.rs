@@ -44,9 +44,13 @@ pub const FAULT_POINTS: &[(&str, &str)] = &[
 mod armed {
     use super::FaultKind;
     use crate::error::{CoreError, CoreResult};
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Mutex;
 
     static ARMED: Mutex<Option<(String, FaultKind)>> = Mutex::new(None);
+    /// Whether any point is armed: the fast path of `hit`, so that a dev build (which has the
+    /// feature) runs its hot paths without taking a lock.
+    static ANY_ARMED: AtomicBool = AtomicBool::new(false);
 
     fn slot() -> std::sync::MutexGuard<'static, Option<(String, FaultKind)>> {
         ARMED
@@ -61,20 +65,26 @@ mod armed {
             )));
         }
         *slot() = Some((point.to_owned(), kind));
+        ANY_ARMED.store(true, Ordering::Release);
         Ok(())
     }
 
     pub fn disarm() {
         *slot() = None;
+        ANY_ARMED.store(false, Ordering::Release);
     }
 
     pub fn hit(point: &'static str) -> CoreResult<()> {
+        if !ANY_ARMED.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let fired = {
             let mut armed = slot();
             match armed.as_ref() {
                 Some((name, kind)) if name == point => {
                     let kind = *kind;
                     *armed = None;
+                    ANY_ARMED.store(false, Ordering::Release);
                     Some(kind)
                 }
                 _ => None,
