@@ -1,10 +1,11 @@
 """Per-phase CPU time of one decode step through Python: N running DFlash requests, flat arrays.
 
-    .venv/bin/python benches/step_breakdown.py [N] [K]
+    .venv/bin/python benches/step_breakdown.py [N] [K] [list|arrays]
 
 A quick probe of where a step's time goes (``schedule``, ``update_from_output``, the draft
-update), uniform 0..K acceptance. The side-by-side benchmark against vLLM is
-``benches/compare_vllm.py`` (see docs/BENCHMARKS.md).
+update), uniform 0..K acceptance. ``arrays`` applies outputs with
+``update_from_output_arrays`` (flat results) instead of one ``RequestOutput`` per request.
+The side-by-side benchmark against vLLM is ``benches/compare_vllm.py`` (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def build(n: int, k: int, rng: np.random.Generator) -> Scheduler:
     return sched
 
 
-def step(sched: Scheduler, k: int, rng: np.random.Generator) -> Tuple[int, int, int]:
+def step(sched: Scheduler, k: int, rng: np.random.Generator, arrays: bool) -> Tuple[int, int, int]:
     """One engine step; returns the CPU ns of schedule, update_from_output and the drafts."""
     t0 = time.process_time_ns()
     out = sched.schedule()
@@ -46,7 +47,10 @@ def step(sched: Scheduler, k: int, rng: np.random.Generator) -> Tuple[int, int, 
     tokens = rng.integers(3, 32000, int(counts.sum()), dtype=np.int32)
     runner = ModelRunnerOutput.from_arrays(out.req_ids, tokens, counts)
     t2 = time.process_time_ns()
-    sched.update_from_output(out, runner)
+    if arrays:
+        sched.update_from_output_arrays(out, runner)
+    else:
+        sched.update_from_output(out, runner)
     t3 = time.process_time_ns()
     num_drafts = np.where(chunk, 0, k).astype(np.int32)
     drafts = rng.integers(3, 32000, int(num_drafts.sum()), dtype=np.int32)
@@ -59,16 +63,18 @@ def step(sched: Scheduler, k: int, rng: np.random.Generator) -> Tuple[int, int, 
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
     k = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    arrays = len(sys.argv) > 3 and sys.argv[3] == "arrays"
     rng = np.random.default_rng(0)
     sched = build(n, k, rng)
     for _ in range(30):  # prefill and warm-up
-        step(sched, k, rng)
-    samples: List[Tuple[int, int, int]] = [step(sched, k, rng) for _ in range(150)]
+        step(sched, k, rng, arrays)
+    samples: List[Tuple[int, int, int]] = [step(sched, k, rng, arrays) for _ in range(150)]
     us = np.array(samples) / 1000
     p50 = np.median(us, axis=0)
     print(
-        f"N={n} K={k}: schedule p50 {p50[0]:.0f} us, update_from_output p50 {p50[1]:.0f} us, "
-        f"drafts p50 {p50[2]:.0f} us, total p50 {np.median(us.sum(axis=1)):.0f} us (CPU time)"
+        f"N={n} K={k} {'arrays' if arrays else 'list'}: schedule p50 {p50[0]:.0f} us, "
+        f"update_from_output p50 {p50[1]:.0f} us, drafts p50 {p50[2]:.0f} us, "
+        f"total p50 {np.median(us.sum(axis=1)):.0f} us (CPU time)"
     )
 
 

@@ -13,6 +13,7 @@ from dflash_rs._core import (
     RequestOutput,
     Scheduler,
     SchedulerOutput,
+    UpdateResult,
     __version__,
 )
 from dflash_rs.config import SPECULATIVE_METHODS, SchedulerConfig, SpeculativeConfig
@@ -50,5 +51,6 @@ __all__ = [
     "SpeculativeConfig",
     "UnknownRequestError",
     "UnsupportedFeatureError",
+    "UpdateResult",
     "__version__",
 ]

@@ -12,6 +12,7 @@ __all__ = [
     "RequestOutput",
     "Scheduler",
     "SchedulerOutput",
+    "UpdateResult",
     "__version__",
 ]
 
@@ -163,6 +164,22 @@ class RequestOutput:
     def finished(self) -> bool: ...
 
 @final
+class UpdateResult:
+    @property
+    def batch_index(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def num_new_tokens(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def new_token_ids(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def finished_req_ids(self) -> list[str]: ...
+    @property
+    def finish_reasons(self) -> list[str]: ...
+    @property
+    def stop_reasons(self) -> list[Optional[int]]: ...
+    def __len__(self) -> int: ...
+
+@final
 class Scheduler:
     def __new__(cls, config: Any) -> Scheduler: ...
     @property
@@ -172,6 +189,9 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, runner_output: Any
     ) -> list[RequestOutput]: ...
+    def update_from_output_arrays(
+        self, output: SchedulerOutput, runner_output: Any
+    ) -> UpdateResult: ...
     def update_draft_token_ids(self, draft_token_ids: dict[str, Sequence[int]]) -> int: ...
     def update_draft_token_ids_from_arrays(
         self, output: SchedulerOutput, draft_tokens: _TokenIds, num_draft_tokens: _TokenIds

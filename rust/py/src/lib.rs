@@ -22,6 +22,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<outputs::PyNewRequestData>()?;
     m.add_class::<outputs::PyCachedRequestData>()?;
     m.add_class::<outputs::PyRequestOutput>()?;
+    m.add_class::<outputs::PyUpdateResult>()?;
     // Test-only and private: set as an attribute so it stays out of `__all__`.
     #[cfg(feature = "fault-injection")]
     m.setattr(

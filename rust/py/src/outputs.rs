@@ -1,7 +1,7 @@
 //! Python views of one step: `SchedulerOutput` (with zero-copy block-table arrays and lazily
-//! built dicts), `NewRequestData`, `CachedRequestData` and `RequestOutput`.
+//! built dicts), `NewRequestData`, `CachedRequestData`, `RequestOutput` and `UpdateResult`.
 
-use numpy::{PyArray1, PyArray2};
+use numpy::{PyArray1, PyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PySet, PyString};
@@ -363,6 +363,95 @@ impl PyRequestOutput {
             self.new_tokens,
             self.finish_reason
                 .map_or("None".to_owned(), |r| format!("'{r}'"))
+        )
+    }
+}
+
+/// The result of `update_from_output_arrays`: the same update as `update_from_output`, as flat
+/// arrays. Entry `j` is the `j`-th request that received tokens, in batch order.
+#[pyclass(module = "dflash_rs._core", name = "UpdateResult", frozen)]
+pub struct PyUpdateResult {
+    /// int32 `[m]`: index of each entry's request in the step's `req_ids`.
+    #[pyo3(get)]
+    batch_index: Py<PyArray1<i32>>,
+    /// int32 `[m]`: tokens each entry accepted (accepted drafts + bonus, cut at a stop).
+    #[pyo3(get)]
+    num_new_tokens: Py<PyArray1<i32>>,
+    /// int32 `[sum(num_new_tokens)]`: the accepted tokens, entry after entry.
+    #[pyo3(get)]
+    new_token_ids: Py<PyArray1<i32>>,
+    /// Ids of the requests that finished in this update, in batch order.
+    #[pyo3(get)]
+    finished_req_ids: Py<PyList>,
+    /// Their finish reasons ("stop", "length", "abort", "error").
+    #[pyo3(get)]
+    finish_reasons: Py<PyList>,
+    /// Their stop tokens (None unless a stop token ended the request).
+    #[pyo3(get)]
+    stop_reasons: Py<PyList>,
+}
+
+impl PyUpdateResult {
+    /// From the core's update; `slots` is the step's batch order, `id_of` names a slot.
+    pub fn build(
+        py: Python<'_>,
+        update: &dflash_core::UpdateOutput,
+        slots: &[(u32, u32)],
+        id_of: impl Fn(u32) -> PyResult<Py<PyString>>,
+    ) -> PyResult<Self> {
+        let m = update.updates.len();
+        let (mut index, mut counts) = (Vec::with_capacity(m), Vec::with_capacity(m));
+        let finished = PyList::empty(py);
+        let reasons = PyList::empty(py);
+        let stops = PyList::empty(py);
+        let mut cursor = 0usize;
+        for u in &update.updates {
+            // Updates come in batch order, a subsequence of the step's slots.
+            while cursor < slots.len() && slots[cursor].0 != u.slot {
+                cursor += 1;
+            }
+            if cursor == slots.len() {
+                return Err(crate::errors::to_py(
+                    py,
+                    dflash_core::CoreError::Invariant(format!(
+                        "updated slot {} is not in the step's batch",
+                        u.slot
+                    )),
+                ));
+            }
+            index.push(cursor as i32);
+            counts.push((u.tokens_end - u.tokens_start) as i32);
+            if let Some(reason) = u.finish_reason {
+                finished.append(id_of(u.slot)?)?;
+                reasons.append(reason.name())?;
+                stops.append(u.stop_token)?;
+            }
+            cursor += 1;
+        }
+        let tokens: Vec<i32> = update.new_token_ids.iter().map(|&t| t as i32).collect();
+        Ok(Self {
+            batch_index: PyArray1::from_vec(py, index).unbind(),
+            num_new_tokens: PyArray1::from_vec(py, counts).unbind(),
+            new_token_ids: PyArray1::from_vec(py, tokens).unbind(),
+            finished_req_ids: finished.unbind(),
+            finish_reasons: reasons.unbind(),
+            stop_reasons: stops.unbind(),
+        })
+    }
+}
+
+#[pymethods]
+impl PyUpdateResult {
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.batch_index.bind(py).len()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "UpdateResult(entries={}, tokens={}, finished={})",
+            self.batch_index.bind(py).len(),
+            self.new_token_ids.bind(py).len(),
+            self.finished_req_ids.bind(py).len()
         )
     }
 }

@@ -11,7 +11,9 @@ use pyo3::types::{PyDict, PyList, PySet, PyString};
 use crate::convert::token_ids;
 use crate::errors::{invalid, to_py, IntoPyResult};
 use crate::guarded::Guarded;
-use crate::outputs::{LazyParts, PyNewRequestData, PyRequestOutput, PySchedulerOutput};
+use crate::outputs::{
+    LazyParts, PyNewRequestData, PyRequestOutput, PySchedulerOutput, PyUpdateResult,
+};
 use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec};
 
 /// Continuous-batching scheduler with DFlash-safe lookahead allocation.
@@ -328,69 +330,20 @@ impl PyScheduler {
         output: &Bound<'_, PySchedulerOutput>,
         runner_output: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyList>> {
-        let out = output.get();
-        let runner_ids = runner_output.getattr("req_ids").map_err(|_| {
-            invalid(
-                py,
-                "runner_output must be a ModelRunnerOutput (it has no req_ids)",
-            )
-        })?;
-        State::check_req_ids(py, out, &runner_ids)?;
-        let (tokens, counts) = State::sampled_from_runner(py, runner_output)?;
-        let drafts = runner_output.getattr("draft_token_ids")?;
-        let draft_lists: Option<Vec<Vec<u32>>> = if drafts.is_none() {
-            None
-        } else {
-            let mut v = Vec::new();
-            for (i, item) in drafts.try_iter()?.enumerate() {
-                v.push(token_ids(&item?, &format!("draft_token_ids[{i}]"))?);
-            }
-            if v.len() != counts.len() {
-                return Err(invalid(
-                    py,
-                    format!("{} draft lists for {} requests", v.len(), counts.len()),
-                ));
-            }
-            Some(v)
-        };
-        let draft_ids: Vec<String> = match draft_lists {
-            Some(_) => out
-                .req_ids
-                .bind(py)
-                .iter()
-                .map(|id| id.extract::<String>())
-                .collect::<PyResult<_>>()?,
-            None => Vec::new(),
-        };
-        self.state.with(py, |st| {
-            st.check_owner(py, out)?;
-            if out.parts.slots.is_empty() {
-                // An empty step awaits no output.
-                if !tokens.is_empty() {
-                    return Err(invalid(
-                        py,
-                        "sampled tokens were given for a step that scheduled nothing",
-                    ));
-                }
-                return Ok(PyList::empty(py).unbind());
-            }
-            let step_id = out.step_id;
-            {
-                let (inner, update) = (&mut st.inner, &mut st.update);
-                py.detach(|| inner.update_from_output(step_id, &tokens, &counts, update))
-                    .py(py)?;
-            }
-            let list = st.request_outputs(py)?;
-            if let Some(lists) = &draft_lists {
-                st.inner.update_draft_token_ids(
-                    draft_ids
-                        .iter()
-                        .map(String::as_str)
-                        .zip(lists.iter().map(Vec::as_slice)),
-                );
-            }
-            st.forget_finished();
-            Ok(list)
+        self.apply_output(py, output, runner_output, |st| st.request_outputs(py))
+    }
+
+    /// `update_from_output` returning flat arrays (`UpdateResult`) instead of one Python
+    /// object per request: the same update, for engines that consume arrays.
+    fn update_from_output_arrays(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PySchedulerOutput>,
+        runner_output: &Bound<'_, PyAny>,
+    ) -> PyResult<PyUpdateResult> {
+        let slots = &output.get().parts.slots;
+        self.apply_output(py, output, runner_output, |st| {
+            PyUpdateResult::build(py, &st.update, slots, |slot| st.id_of(py, slot))
         })
     }
 
@@ -608,6 +561,85 @@ impl PyScheduler {
                 inner.running().len(),
                 inner.num_waiting()
             ))
+        })
+    }
+}
+
+impl PyScheduler {
+    /// The body of `update_from_output*`: validates `runner_output` against `output`, applies
+    /// it in the core, installs any drafts it carries, and builds the result with `build`.
+    fn apply_output<R>(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PySchedulerOutput>,
+        runner_output: &Bound<'_, PyAny>,
+        build: impl FnOnce(&State) -> PyResult<R>,
+    ) -> PyResult<R> {
+        let out = output.get();
+        let runner_ids = runner_output.getattr("req_ids").map_err(|_| {
+            invalid(
+                py,
+                "runner_output must be a ModelRunnerOutput (it has no req_ids)",
+            )
+        })?;
+        State::check_req_ids(py, out, &runner_ids)?;
+        let (tokens, counts) = State::sampled_from_runner(py, runner_output)?;
+        let drafts = runner_output.getattr("draft_token_ids")?;
+        let draft_lists: Option<Vec<Vec<u32>>> = if drafts.is_none() {
+            None
+        } else {
+            let mut v = Vec::new();
+            for (i, item) in drafts.try_iter()?.enumerate() {
+                v.push(token_ids(&item?, &format!("draft_token_ids[{i}]"))?);
+            }
+            if v.len() != counts.len() {
+                return Err(invalid(
+                    py,
+                    format!("{} draft lists for {} requests", v.len(), counts.len()),
+                ));
+            }
+            Some(v)
+        };
+        let draft_ids: Vec<String> = match draft_lists {
+            Some(_) => out
+                .req_ids
+                .bind(py)
+                .iter()
+                .map(|id| id.extract::<String>())
+                .collect::<PyResult<_>>()?,
+            None => Vec::new(),
+        };
+        self.state.with(py, |st| {
+            st.check_owner(py, out)?;
+            if out.parts.slots.is_empty() {
+                // An empty step awaits no output.
+                if !tokens.is_empty() {
+                    return Err(invalid(
+                        py,
+                        "sampled tokens were given for a step that scheduled nothing",
+                    ));
+                }
+                st.update.updates.clear();
+                st.update.new_token_ids.clear();
+                return build(st);
+            }
+            let step_id = out.step_id;
+            {
+                let (inner, update) = (&mut st.inner, &mut st.update);
+                py.detach(|| inner.update_from_output(step_id, &tokens, &counts, update))
+                    .py(py)?;
+            }
+            let result = build(st)?;
+            if let Some(lists) = &draft_lists {
+                st.inner.update_draft_token_ids(
+                    draft_ids
+                        .iter()
+                        .map(String::as_str)
+                        .zip(lists.iter().map(Vec::as_slice)),
+                );
+            }
+            st.forget_finished();
+            Ok(result)
         })
     }
 }
