@@ -99,9 +99,9 @@ def test_a_budget_below_one_plus_k_does_not_block_a_lone_admission() -> None:
     # tokens never fit a 3-token budget, so the request waited forever.
     s = Scheduler(
         SchedulerConfig(
-            num_blocks=9,
+            num_blocks=40,
             block_size=1,
-            max_model_len=8,
+            max_model_len=32,
             max_num_seqs=1,
             max_num_batched_tokens=3,
             speculative=SpeculativeConfig("ngram", K),
