@@ -16,6 +16,15 @@ fn main() {
     let mut config = SchedulerConfig::new(n * 520 + 10, 16, 8192, n, 16384);
     config.spec_method = SpecMethod::DFlash;
     config.num_speculative_tokens = k;
+    if std::env::var("PC").as_deref() == Ok("0") {
+        config.enable_prefix_caching = false;
+    }
+    if let Ok(a) = std::env::var("HASH") {
+        config.hash_algo = dflash_core::hashing::HashAlgo::from_name(&a).expect("algo");
+    }
+    if std::env::var("VERIFY").as_deref() == Ok("0") {
+        config.verify_prefix_hits = false;
+    }
     let mut sched = Scheduler::new(config).expect("config");
     let mut seed = 0x9e3779b97f4a7c15u64;
     let mut rand = move || {

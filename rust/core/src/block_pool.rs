@@ -18,9 +18,8 @@ pub const NULL_BLOCK: u32 = 0;
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     ref_cnt: Vec<u32>,
-    /// Hash of each block while it is registered in the prefix map.
-    block_hash: Vec<Option<BlockHash>>,
     free: FreeQueue,
+    /// Hash -> cached blocks, and the hash each cached block carries.
     prefix: PrefixMap,
     enable_caching: bool,
     /// What cached blocks hold, to verify hits (None: hits are trusted on their hash alone).
@@ -56,9 +55,8 @@ impl BlockPool {
         }
         Ok(Self {
             ref_cnt: try_filled_vec(num_blocks, 0, "block ref counts")?,
-            block_hash: try_filled_vec(num_blocks, None, "block hashes")?,
             free: FreeQueue::try_new(num_blocks, 1..num_blocks as u32)?,
-            prefix: PrefixMap::try_with_capacity(if enable_caching { num_blocks } else { 0 })?,
+            prefix: PrefixMap::try_new(if enable_caching { num_blocks } else { 0 })?,
             enable_caching,
             provenance: None,
             scratch: Vec::new(),
@@ -118,7 +116,7 @@ impl BlockPool {
 
     /// Hash of `block`, if it is registered in the prefix cache.
     pub fn block_hash(&self, block: u32) -> Option<&BlockHash> {
-        self.block_hash[block as usize].as_ref()
+        self.prefix.hash_of(block)
     }
 
     /// Number of (hash, block) registrations in the prefix cache.
@@ -167,8 +165,6 @@ impl BlockPool {
             (Some(prov), Some(fp)) => self
                 .prefix
                 .get_all(hash)
-                .iter()
-                .copied()
                 .find(|&b| prov.matches(b, tokens, fp)),
             _ => self.prefix.get_one(hash),
         }
@@ -241,7 +237,7 @@ impl BlockPool {
             }
             *rc -= 1;
             if *rc == 0 {
-                if self.block_hash[b as usize].is_some() {
+                if self.prefix.is_registered(b) {
                     self.free.push_back(b);
                 } else {
                     reuse_first.push(b);
@@ -276,7 +272,7 @@ impl BlockPool {
             if b == NULL_BLOCK {
                 continue;
             }
-            if let Some(existing) = &self.block_hash[b as usize] {
+            if let Some(existing) = self.prefix.hash_of(b) {
                 debug_assert_eq!(existing, h, "block {b} is re-cached under another hash");
                 continue;
             }
@@ -285,7 +281,6 @@ impl BlockPool {
                 let tokens = &src.tokens[(src.first + i) * bs..(src.first + i + 1) * bs];
                 prov.record(b, tokens, fp);
             }
-            self.block_hash[b as usize] = Some(*h);
             self.prefix.insert(*h, b);
         }
     }
@@ -297,7 +292,7 @@ impl BlockPool {
         if src.first == 0 {
             return None;
         }
-        if src.parent != NULL_BLOCK && self.block_hash[src.parent as usize].is_some() {
+        if src.parent != NULL_BLOCK && self.prefix.is_registered(src.parent) {
             return Some(prov.fingerprint_of(src.parent));
         }
         let bs = prov.block_size();
@@ -308,10 +303,7 @@ impl BlockPool {
 
     /// Evicts `block`'s hash from the prefix cache if it is registered; returns whether it was.
     pub fn evict_hash(&mut self, block: u32) -> bool {
-        match self.block_hash[block as usize].take() {
-            Some(h) => self.prefix.pop(&h, block),
-            None => false,
-        }
+        self.prefix.remove(block).is_some()
     }
 
     /// Empties the prefix cache. Fails (returns false, changes nothing) while any block is held.
@@ -320,7 +312,6 @@ impl BlockPool {
             return false;
         }
         self.prefix.clear();
-        self.block_hash.iter_mut().for_each(|h| *h = None);
         true
     }
 
@@ -331,7 +322,7 @@ impl BlockPool {
         if self.ref_cnt[NULL_BLOCK as usize] != 0 || self.free.contains(NULL_BLOCK) {
             return Err(broken!("null block is referenced or free"));
         }
-        if self.block_hash[NULL_BLOCK as usize].is_some() {
+        if self.prefix.is_registered(NULL_BLOCK) {
             return Err(broken!("null block is hashed"));
         }
         let mut seen = vec![false; n];
@@ -369,12 +360,6 @@ impl BlockPool {
                     ));
                 }
             }
-            match &self.block_hash[b] {
-                Some(h) if !self.prefix.contains(h, b as u32) => {
-                    return Err(broken!("block {b} has a hash but is not in the prefix map"))
-                }
-                _ => {}
-            }
         }
         if used + self.free.len() != self.num_usable_blocks() {
             return Err(broken!(
@@ -383,18 +368,7 @@ impl BlockPool {
                 self.num_usable_blocks()
             ));
         }
-        for (h, b) in self.prefix.iter() {
-            if self.block_hash[b as usize].as_ref() != Some(h) {
-                return Err(broken!(
-                    "prefix map lists block {b} under a hash it does not carry"
-                ));
-            }
-        }
-        if self.prefix.num_blocks() != self.block_hash.iter().filter(|h| h.is_some()).count() {
-            return Err(broken!(
-                "prefix map size differs from the number of hashed blocks"
-            ));
-        }
+        self.prefix.check()?;
         Ok(())
     }
 }

@@ -1,44 +1,63 @@
-//! Prefix-cache map: block hash -> cached block(s).
+//! Prefix-cache map: block hash -> cached block(s), and block -> the hash it is cached under.
 //!
 //! Several physical blocks may carry the same hash (two requests computed the same prefix before
 //! either was cached). They are not de-duplicated, because block ids handed to a request never
 //! change; lookups return the first one inserted, and popping removes exactly one block id.
+//!
+//! Layout, chosen for the hot path (hundreds of inserts and evictions per step in a pool of
+//! hundreds of thousands of blocks): the hash map is keyed by the hash's first 8 bytes and holds
+//! only the first block of a chain, 16 bytes a bucket; the chain of blocks sharing that key
+//! runs through a per-block `next` array in insertion order, and every lookup compares the
+//! full 32-byte hash kept per block. A key collision therefore costs a longer chain, never a
+//! wrong answer.
 
+use hashbrown::hash_map::Entry;
 use hashbrown::HashMap;
 
-use crate::error::{CoreError, CoreResult};
+use crate::error::{try_filled_vec, CoreError, CoreResult};
 use crate::hashing::BlockHash;
 
-#[derive(Debug, Clone)]
-enum Entry {
-    One(u32),
-    /// Insertion order; never empty, never a single element.
-    Many(Vec<u32>),
+/// `next` value of the last block of a chain.
+const END: u32 = u32::MAX;
+/// `next` value of a block that is not registered.
+const UNREGISTERED: u32 = u32::MAX - 1;
+
+/// The map key of a hash: its first 8 bytes.
+fn key_of(hash: &BlockHash) -> u64 {
+    let mut k = [0u8; 8];
+    k.copy_from_slice(&hash[..8]);
+    u64::from_le_bytes(k)
 }
 
-/// Map from block hash to the blocks registered under it.
+/// Map from block hash to the blocks registered under it, for blocks `0..num_blocks`.
 #[derive(Debug, Clone, Default)]
 pub struct PrefixMap {
-    map: HashMap<BlockHash, Entry>,
+    /// Key -> first block of its chain.
+    heads: HashMap<u64, u32>,
+    /// The hash each registered block carries (stale for unregistered blocks).
+    hashes: Vec<BlockHash>,
+    /// Next block in the chain of the same key, [`END`], or [`UNREGISTERED`].
+    next: Vec<u32>,
     num_blocks: usize,
 }
 
 impl PrefixMap {
-    /// An empty map with room for `capacity` keys (no rehash while the pool fills), or an
-    /// error instead of an abort when memory runs out.
-    pub fn try_with_capacity(capacity: usize) -> CoreResult<Self> {
-        let mut map = HashMap::new();
-        map.try_reserve(capacity).map_err(|_| {
+    /// An empty map for blocks `0..num_blocks`, sized so the map never rehashes, or an error
+    /// instead of an abort when memory runs out. `num_blocks == 0` makes a map that is never
+    /// used (caching off).
+    pub fn try_new(num_blocks: usize) -> CoreResult<Self> {
+        let mut heads = HashMap::new();
+        heads.try_reserve(num_blocks).map_err(|_| {
             CoreError::InvalidArgument(format!(
-                "cannot allocate a prefix cache of {capacity} blocks: out of memory"
+                "cannot allocate a prefix cache of {num_blocks} blocks: out of memory"
             ))
         })?;
-        Ok(Self { map, num_blocks: 0 })
-    }
-
-    /// Number of distinct hashes.
-    pub fn num_keys(&self) -> usize {
-        self.map.len()
+        Ok(Self {
+            heads,
+            hashes: try_filled_vec(num_blocks, [0; 32], "prefix-cache block hashes")?,
+            next: try_filled_vec(num_blocks, UNREGISTERED, "prefix-cache chains")?,
+            num_blocks: 0,
+        })
     }
 
     /// Number of (hash, block) registrations.
@@ -46,93 +65,154 @@ impl PrefixMap {
         self.num_blocks
     }
 
-    /// The first block registered under `hash`.
-    pub fn get_one(&self, hash: &BlockHash) -> Option<u32> {
-        match self.map.get(hash)? {
-            Entry::One(b) => Some(*b),
-            Entry::Many(v) => v.first().copied(),
-        }
+    /// Whether `block` is registered (under any hash).
+    pub fn is_registered(&self, block: u32) -> bool {
+        self.next
+            .get(block as usize)
+            .is_some_and(|&n| n != UNREGISTERED)
+    }
+
+    /// The hash `block` is registered under.
+    pub fn hash_of(&self, block: u32) -> Option<&BlockHash> {
+        self.is_registered(block)
+            .then(|| &self.hashes[block as usize])
     }
 
     /// Every block registered under `hash`, in insertion order.
-    pub fn get_all(&self, hash: &BlockHash) -> &[u32] {
-        match self.map.get(hash) {
-            Some(Entry::One(b)) => std::slice::from_ref(b),
-            Some(Entry::Many(v)) => v,
-            None => &[],
-        }
+    pub fn get_all<'a>(&'a self, hash: &'a BlockHash) -> impl Iterator<Item = u32> + 'a {
+        let mut cur = self.heads.get(&key_of(hash)).copied().unwrap_or(END);
+        std::iter::from_fn(move || {
+            while cur != END {
+                let b = cur;
+                cur = self.next[b as usize];
+                if self.hashes[b as usize] == *hash {
+                    return Some(b);
+                }
+            }
+            None
+        })
+    }
+
+    /// The first block registered under `hash`.
+    pub fn get_one(&self, hash: &BlockHash) -> Option<u32> {
+        self.get_all(hash).next()
     }
 
     /// Whether `block` is registered under `hash`.
     pub fn contains(&self, hash: &BlockHash, block: u32) -> bool {
-        match self.map.get(hash) {
-            Some(Entry::One(b)) => *b == block,
-            Some(Entry::Many(v)) => v.contains(&block),
-            None => false,
-        }
+        self.hash_of(block) == Some(hash)
     }
 
-    /// Registers `block` under `hash` (after any block already there).
-    pub fn insert(&mut self, hash: BlockHash, block: u32) {
+    /// Registers `block` under `hash`, after any block already there. A block already
+    /// registered is left as it is (returns false).
+    pub fn insert(&mut self, hash: BlockHash, block: u32) -> bool {
+        if self.is_registered(block) {
+            return false;
+        }
+        let b = block as usize;
+        self.hashes[b] = hash;
+        self.next[b] = END;
         self.num_blocks += 1;
-        match self.map.entry(hash) {
-            hashbrown::hash_map::Entry::Vacant(e) => {
-                e.insert(Entry::One(block));
+        match self.heads.entry(key_of(&hash)) {
+            Entry::Vacant(e) => {
+                e.insert(block);
             }
-            hashbrown::hash_map::Entry::Occupied(mut e) => {
-                let entry = e.get_mut();
-                match entry {
-                    Entry::One(first) => *entry = Entry::Many(vec![*first, block]),
-                    Entry::Many(v) => v.push(block),
+            Entry::Occupied(e) => {
+                let mut tail = *e.get();
+                while self.next[tail as usize] != END {
+                    tail = self.next[tail as usize];
                 }
+                self.next[tail as usize] = block;
             }
         }
+        true
+    }
+
+    /// Unregisters `block`; returns the hash it was registered under.
+    pub fn remove(&mut self, block: u32) -> Option<BlockHash> {
+        if !self.is_registered(block) {
+            return None;
+        }
+        let b = block as usize;
+        let hash = self.hashes[b];
+        let after = self.next[b];
+        self.next[b] = UNREGISTERED;
+        self.num_blocks -= 1;
+        let Entry::Occupied(mut head) = self.heads.entry(key_of(&hash)) else {
+            debug_assert!(false, "registered block {block} has no chain");
+            return Some(hash);
+        };
+        if *head.get() == block {
+            if after == END {
+                head.remove();
+            } else {
+                *head.get_mut() = after;
+            }
+        } else {
+            let mut prev = *head.get();
+            while self.next[prev as usize] != block {
+                prev = self.next[prev as usize];
+                if prev == END {
+                    debug_assert!(false, "registered block {block} is not in its chain");
+                    return Some(hash);
+                }
+            }
+            self.next[prev as usize] = after;
+        }
+        Some(hash)
     }
 
     /// Removes `block` from `hash`'s registrations; returns whether it was there.
     pub fn pop(&mut self, hash: &BlockHash, block: u32) -> bool {
-        // One probe of the map: the entry API finds the key once for the read and the removal.
-        let hashbrown::hash_map::Entry::Occupied(mut slot) = self.map.entry(*hash) else {
-            return false;
-        };
-        let removed = match slot.get_mut() {
-            Entry::One(b) if *b == block => {
-                slot.remove();
-                true
-            }
-            Entry::One(_) => false,
-            Entry::Many(v) => match v.iter().position(|b| *b == block) {
-                Some(i) => {
-                    v.remove(i);
-                    if let [only] = v[..] {
-                        *slot.get_mut() = Entry::One(only);
-                    }
-                    true
-                }
-                None => false,
-            },
-        };
-        if removed {
-            self.num_blocks -= 1;
-        }
-        removed
+        self.contains(hash, block) && self.remove(block).is_some()
     }
 
     /// Forgets every registration.
     pub fn clear(&mut self) {
-        self.map.clear();
+        self.heads.clear();
+        self.next.iter_mut().for_each(|n| *n = UNREGISTERED);
         self.num_blocks = 0;
     }
 
-    /// Every (hash, block) registration, in no particular order.
+    /// Every (hash, block) registration reachable from the map, chain by chain.
     pub fn iter(&self) -> impl Iterator<Item = (&BlockHash, u32)> + '_ {
-        self.map.iter().flat_map(|(h, e)| {
-            let blocks: Vec<u32> = match e {
-                Entry::One(b) => vec![*b],
-                Entry::Many(v) => v.clone(),
-            };
-            blocks.into_iter().map(move |b| (h, b))
+        self.heads.values().flat_map(move |&head| {
+            let mut cur = head;
+            std::iter::from_fn(move || {
+                (cur != END && cur != UNREGISTERED).then(|| {
+                    let b = cur;
+                    cur = self.next[b as usize];
+                    (&self.hashes[b as usize], b)
+                })
+            })
         })
+    }
+
+    /// Checks that every registered block is reachable from its key's chain exactly once and
+    /// that the count matches.
+    pub fn check(&self) -> CoreResult<()> {
+        let mut reached = 0usize;
+        for (h, b) in self.iter() {
+            if !self.contains(h, b) {
+                return Err(crate::error::broken!(
+                    "prefix map chain lists block {b}, which is not registered under that hash"
+                ));
+            }
+            reached += 1;
+            if reached > self.num_blocks {
+                return Err(crate::error::broken!(
+                    "prefix map chains loop or repeat a block"
+                ));
+            }
+        }
+        let registered = self.next.iter().filter(|&&n| n != UNREGISTERED).count();
+        if reached != self.num_blocks || registered != self.num_blocks {
+            return Err(crate::error::broken!(
+                "prefix map counts {} registrations, chains reach {reached}, blocks carry {registered}",
+                self.num_blocks
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -144,30 +224,63 @@ mod tests {
         [i; 32]
     }
 
-    #[test]
-    fn single_block_per_key() {
-        let mut m = PrefixMap::default();
-        m.insert(key(1), 0);
-        assert_eq!(m.get_one(&key(1)), Some(0));
-        assert!(!m.pop(&key(1), 7), "a mismatched id leaves the entry");
-        assert_eq!(m.get_one(&key(1)), Some(0));
-        assert!(m.pop(&key(1), 0));
-        assert_eq!(m.get_one(&key(1)), None);
-        assert_eq!(m.num_keys(), 0);
+    /// Two hashes that share the 8-byte map key but differ after it.
+    fn same_key(i: u8) -> BlockHash {
+        let mut h = [1; 32];
+        h[31] = i;
+        h
     }
 
     #[test]
-    fn many_blocks_per_key_keep_insertion_order() {
-        let mut m = PrefixMap::default();
+    fn single_block_per_key() {
+        let mut m = PrefixMap::try_new(8).unwrap();
+        assert!(m.insert(key(1), 0));
+        assert_eq!(m.get_one(&key(1)), Some(0));
+        assert!(!m.pop(&key(1), 7), "a mismatched id leaves the entry");
+        assert!(
+            !m.insert(key(2), 0),
+            "a registered block is not re-registered"
+        );
+        assert_eq!(m.get_one(&key(1)), Some(0));
+        assert!(m.pop(&key(1), 0));
+        assert_eq!(m.get_one(&key(1)), None);
+        assert_eq!(m.num_blocks(), 0);
+        m.check().unwrap();
+    }
+
+    #[test]
+    fn many_blocks_per_hash_keep_insertion_order() {
+        let mut m = PrefixMap::try_new(8).unwrap();
         m.insert(key(1), 0);
         m.insert(key(1), 3);
         m.insert(key(1), 5);
-        assert_eq!(m.get_one(&key(1)), Some(0));
+        assert_eq!(m.get_all(&key(1)).collect::<Vec<_>>(), [0, 3, 5]);
         assert!(m.pop(&key(1), 0));
         assert_eq!(m.get_one(&key(1)), Some(3));
         assert!(m.contains(&key(1), 5));
-        assert!(m.pop(&key(1), 3) && m.pop(&key(1), 5));
-        assert_eq!(m.num_keys(), 0);
+        m.check().unwrap();
+        assert!(m.pop(&key(1), 5) && m.pop(&key(1), 3));
         assert_eq!(m.num_blocks(), 0);
+        m.check().unwrap();
+    }
+
+    #[test]
+    fn hashes_sharing_a_key_stay_apart() {
+        let mut m = PrefixMap::try_new(8).unwrap();
+        m.insert(same_key(1), 2);
+        m.insert(same_key(2), 4);
+        m.insert(same_key(1), 6);
+        assert_eq!(m.get_all(&same_key(1)).collect::<Vec<_>>(), [2, 6]);
+        assert_eq!(m.get_all(&same_key(2)).collect::<Vec<_>>(), [4]);
+        assert_eq!(m.get_one(&same_key(3)), None);
+        assert!(!m.pop(&same_key(2), 2), "block 2 is under the other hash");
+        assert_eq!(m.remove(4), Some(same_key(2)));
+        assert_eq!(m.get_one(&same_key(2)), None);
+        assert_eq!(m.get_all(&same_key(1)).collect::<Vec<_>>(), [2, 6]);
+        m.check().unwrap();
+        m.clear();
+        assert_eq!(m.get_one(&same_key(1)), None);
+        assert!(!m.is_registered(2));
+        m.check().unwrap();
     }
 }

@@ -11,10 +11,13 @@
 
 use std::hash::{BuildHasher, Hasher};
 
-use xxhash_rust::xxh3::Xxh3;
+use xxhash_rust::xxh3::{xxh3_128_with_seed, Xxh3};
 
 use crate::error::{try_filled_vec, CoreResult};
 use crate::hashing::ExtraKeys;
+
+/// Blocks up to this many tokens are fingerprinted from a stack buffer in one call.
+const STACK_TOKENS: usize = 64;
 
 /// Fingerprint of a token prefix and extra keys.
 pub type Fingerprint = u128;
@@ -58,24 +61,40 @@ impl Provenance {
         tokens: &[u32],
         extra: &ExtraKeys,
     ) -> Fingerprint {
-        let mut h = Xxh3::with_seed(self.key);
-        match parent {
-            Some(p) => h.update(&p.to_le_bytes()),
-            None => {
-                for key in [&extra.lora_name, &extra.cache_salt] {
-                    match key {
-                        Some(s) => {
-                            h.update(&[1]);
-                            h.update(&(s.len() as u64).to_le_bytes());
-                            h.update(s.as_bytes());
-                        }
-                        None => h.update(&[0]),
-                    }
-                }
+        let parent = parent.unwrap_or_else(|| self.root(extra));
+        // One-shot XXH3 over a stack buffer: the streaming state would derive a seeded secret
+        // on every call, which costs more than hashing a block.
+        let mut buf = [0u8; 16 + 4 * STACK_TOKENS];
+        if tokens.len() <= STACK_TOKENS {
+            buf[..16].copy_from_slice(&parent.to_le_bytes());
+            for (dst, t) in buf[16..].chunks_exact_mut(4).zip(tokens) {
+                dst.copy_from_slice(&t.to_le_bytes());
             }
+            return xxh3_128_with_seed(&buf[..16 + 4 * tokens.len()], self.key);
         }
-        for t in tokens {
-            h.update(&t.to_le_bytes());
+        let mut h = Xxh3::with_seed(self.key);
+        h.update(&parent.to_le_bytes());
+        for chunk in tokens.chunks(STACK_TOKENS) {
+            for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            h.update(&buf[..4 * chunk.len()]);
+        }
+        h.digest128()
+    }
+
+    /// The fingerprint a sequence's first block chains to: the extra keys alone.
+    fn root(&self, extra: &ExtraKeys) -> Fingerprint {
+        let mut h = Xxh3::with_seed(self.key);
+        for key in [&extra.lora_name, &extra.cache_salt] {
+            match key {
+                Some(s) => {
+                    h.update(&[1]);
+                    h.update(&(s.len() as u64).to_le_bytes());
+                    h.update(s.as_bytes());
+                }
+                None => h.update(&[0]),
+            }
         }
         h.digest128()
     }
