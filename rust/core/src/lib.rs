@@ -16,6 +16,7 @@ pub mod hashing;
 pub mod kv_manager;
 pub mod lookahead;
 pub mod output;
+pub mod prefetch;
 pub mod prefix_map;
 pub mod provenance;
 pub mod queue;

@@ -116,6 +116,20 @@ impl RequestStore {
         s.request.as_mut()
     }
 
+    /// Prefetches what a step reads and appends to for the request in `slot`: the tails of
+    /// its tokens, block hashes and block ids.
+    pub fn prefetch(&self, slot: u32) {
+        if let Some(r) = self
+            .slots
+            .get(slot as usize)
+            .and_then(|s| s.request.as_ref())
+        {
+            crate::prefetch::tail(&r.tokens);
+            crate::prefetch::tail(&r.block_hashes);
+            crate::prefetch::tail(&r.blocks.block_ids);
+        }
+    }
+
     /// Block-table row of the request in `slot`.
     pub fn row(&self, slot: u32) -> Option<u32> {
         self.slots.get(slot as usize).and_then(|s| s.row)

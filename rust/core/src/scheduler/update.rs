@@ -70,7 +70,10 @@ impl Scheduler {
         let cache_at_update = self.config.num_speculative_tokens > 0;
         let mut finished: Vec<(u32, u32, FinishReason)> = Vec::new();
         let mut start = 0usize;
-        for (e, &count) in step.entries.iter().zip(counts) {
+        for (i, (e, &count)) in step.entries.iter().zip(counts).enumerate() {
+            if let Some(ahead) = step.entries.get(i + crate::prefetch::DISTANCE) {
+                self.store.prefetch(ahead.slot);
+            }
             let sampled = &tokens[start..start + count as usize];
             start += count as usize;
             let Some(r) = self.store.get_mut_if_current(e.slot, e.generation) else {
