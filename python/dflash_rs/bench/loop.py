@@ -115,6 +115,10 @@ def run_sim(
     # runner knows its own drafts and needs no dict from the scheduler).
     pending_drafts: dict[str, list[int]] = {}
     has_nspec = hasattr(d.SchedulerOutput, "num_spec_tokens_array")
+    # arrays path: results as flat arrays (UpdateResult) where the build has them (older
+    # builds, e.g. a pinned baseline snapshot, return RequestOutput objects only).
+    update_arrays = getattr(sched, "update_from_output_arrays", None)
+    flat_update = arrays and update_arrays is not None
     i32 = np.int32
 
     phase = "fill"
@@ -233,12 +237,17 @@ def run_sim(
         if prof is not None:
             prof.enable()
         t3 = pc()
-        outs = sched.update_from_output(so, mro)
-        t4 = pc()
+        if flat_update:
+            result = update_arrays(so, mro)
+            t4 = pc()
+            finished_ids = set(result.finished_req_ids)
+        else:
+            outs = sched.update_from_output(so, mro)
+            t4 = pc()
+            finished_ids = {o.request_id for o in outs if o.finish_reason is not None}
         if prof is not None:
             prof.disable()
 
-        finished_ids = {o.request_id for o in outs if o.finish_reason is not None}
         finished = len(finished_ids)
 
         # ---- drafts for the next step: K random tokens for every request that sampled ----

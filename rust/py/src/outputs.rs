@@ -130,6 +130,7 @@ pub struct LazyParts {
 /// One step's schedule. Arrays are in batch order: entry `i` is `req_ids[i]` and row `i` of
 /// `block_table`. `block_table` and `num_blocks_per_row` are read-only zero-copy views of the
 /// scheduler's persistent buffers: valid until the next `schedule()` (copy them to keep them).
+/// `req_ids` is read-only too: consecutive steps with the same batch share one list object.
 #[pyclass(module = "dflash_rs._core", name = "SchedulerOutput", frozen)]
 pub struct PySchedulerOutput {
     #[pyo3(get)]

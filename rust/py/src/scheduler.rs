@@ -35,6 +35,8 @@ struct State {
     num_interned: usize,
     step: StepOutput,
     update: UpdateOutput,
+    /// The last step's `req_ids` list, handed out again while the batch is unchanged.
+    last_req_ids: Option<Py<PyList>>,
 }
 
 impl State {
@@ -77,9 +79,40 @@ impl State {
         }
     }
 
-    fn build_output(&self, slf: &Bound<'_, PyScheduler>) -> PyResult<PySchedulerOutput> {
+    /// The batch's request ids as a list: the previous step's list object when it still holds
+    /// exactly these ids (a steady decode batch), so a step touches no string object; a new
+    /// list otherwise.
+    fn req_ids_list<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let slots = &self.step.slots;
+        if let Some(prev) = &self.last_req_ids {
+            let list = prev.bind(py);
+            let unchanged = list.len() == slots.len()
+                && slots.iter().enumerate().all(|(i, &slot)| {
+                    let Some(Some(id)) = self.ids.get(slot as usize) else {
+                        return false;
+                    };
+                    // SAFETY: `list` is a live list and `i < len`; PyList_GetItem returns a
+                    // borrowed reference, compared by address only.
+                    let item = unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i as _) };
+                    std::ptr::eq(item, id.as_ptr())
+                });
+            if unchanged {
+                return Ok(list.clone());
+            }
+        }
+        let ids = slots
+            .iter()
+            .map(|&slot| self.id_of(py, slot))
+            .collect::<PyResult<Vec<_>>>()?;
+        let list = PyList::new(py, ids)?;
+        self.last_req_ids = Some(list.clone().unbind());
+        Ok(list)
+    }
+
+    fn build_output(&mut self, slf: &Bound<'_, PyScheduler>) -> PyResult<PySchedulerOutput> {
         let py = slf.py();
-        let this = self;
+        let req_ids = self.req_ids_list(py)?;
+        let this = &*self;
         let step = &this.step;
         let n = step.num_reqs();
         let table = this.inner.block_table();
@@ -101,11 +134,6 @@ impl State {
             kwargs.set_item("write", false)?;
             arr.call_method("setflags", (), Some(&kwargs))?;
         }
-        let ids = step
-            .slots
-            .iter()
-            .map(|&slot| this.id_of(py, slot))
-            .collect::<PyResult<Vec<_>>>()?;
         let new_reqs = PyList::empty(py);
         let mut kinds = Vec::with_capacity(n);
         for (i, kind) in step.kinds.iter().enumerate() {
@@ -117,7 +145,7 @@ impl State {
             if *kind != EntryKind::Running {
                 let r = this.inner.requests().get(step.slots[i]).py(py)?;
                 let data = PyNewRequestData::new(
-                    ids[i].clone_ref(py),
+                    this.id_of(py, step.slots[i])?,
                     step.num_computed_tokens[i] as usize,
                     *kind == EntryKind::Resumed,
                     r.tokens.clone(),
@@ -127,7 +155,6 @@ impl State {
                 new_reqs.append(Py::new(py, data)?)?;
             }
         }
-        let req_ids = PyList::new(py, ids)?;
         let finished = PySet::new(py, &step.finished_req_ids)?;
         let preempted = PySet::new(py, &step.preempted_req_ids)?;
         let parts = LazyParts {
@@ -286,6 +313,7 @@ impl PyScheduler {
             num_interned: 0,
             step: StepOutput::default(),
             update: UpdateOutput::default(),
+            last_req_ids: None,
         };
         Ok(Self {
             state: Guarded::new(state, "Scheduler"),
