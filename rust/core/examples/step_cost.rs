@@ -48,11 +48,25 @@ fn main() {
     let (mut tokens, mut counts, mut drafts, mut draft_counts) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut times = Vec::new();
+    // THRASH=MB: overwrite MB megabytes between calls, as an engine's own work between
+    // scheduler calls evicts the scheduler's data from the caches.
+    let thrash_mb: usize = std::env::var("THRASH")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let mut thrash_buf = vec![0u8; thrash_mb << 20];
+    let mut thrash = move || {
+        for (i, b) in thrash_buf.iter_mut().step_by(64).enumerate() {
+            *b = b.wrapping_add(i as u8);
+        }
+        std::hint::black_box(&thrash_buf);
+    };
     let num_steps: usize = std::env::var("STEPS")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(400);
     for step in 0..num_steps {
+        thrash();
         let t0 = Instant::now();
         sched.schedule(&mut out).expect("schedule");
         let t1 = Instant::now();
@@ -67,6 +81,7 @@ fn main() {
             counts.push(accepted + 1);
             tokens.extend((0..=accepted).map(|_| (rand() % 32000) as u32 + 3));
         }
+        thrash();
         let t2 = Instant::now();
         sched
             .update_from_output(out.step_id, &tokens, &counts, &mut upd)
@@ -84,6 +99,7 @@ fn main() {
             draft_counts.push(c);
             drafts.extend((0..c).map(|_| 7u32));
         }
+        thrash();
         let t4 = Instant::now();
         sched
             .update_draft_token_ids_for_slots(&slots, &drafts, &draft_counts)

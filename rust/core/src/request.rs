@@ -1,6 +1,11 @@
 //! Per-request state: tokens, block hashes, sampling stop rules, scheduling progress and blocks.
 
+use smallvec::SmallVec;
+
 use crate::hashing::{BlockHash, BlockHasher, ExtraKeys};
+
+/// Draft tokens a request keeps without a heap allocation (K up to 15 needs 15).
+pub const INLINE_DRAFTS: usize = 16;
 use crate::kv_manager::{RequestBlocks, SequenceView};
 
 /// Where a request is in its life.
@@ -79,8 +84,9 @@ pub struct Request {
     pub status: RequestStatus,
     /// Tokens whose KV is computed (or being computed by the step in flight).
     pub num_computed_tokens: usize,
-    /// Draft tokens proposed for the next step.
-    pub spec_token_ids: Vec<u32>,
+    /// Draft tokens proposed for the next step, inline up to [`INLINE_DRAFTS`] so a step reads
+    /// them from the request itself, not from one more heap line per request.
+    pub spec_token_ids: SmallVec<[u32; INLINE_DRAFTS]>,
     /// Blocks held.
     pub blocks: RequestBlocks,
     /// Set at schedule time: the step ends before the known tokens, so its sample is discarded.
@@ -107,7 +113,7 @@ impl Request {
             block_hashes,
             status: RequestStatus::Waiting,
             num_computed_tokens: 0,
-            spec_token_ids: Vec::new(),
+            spec_token_ids: SmallVec::new(),
             blocks: RequestBlocks::default(),
             is_prefill_chunk: false,
             num_preemptions: 0,
