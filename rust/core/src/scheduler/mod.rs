@@ -560,12 +560,30 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Phase B: waiting requests, strict FCFS (or priority) admission.
+    /// Phase B: waiting requests, strict FCFS (or priority) admission. A preempted request
+    /// whose stale output is still in flight is passed over and keeps its place.
     fn schedule_waiting(
         &mut self,
         budget: &mut usize,
         scheduled_order: &mut Vec<u32>,
         prefill_scheduled: bool,
+    ) -> CoreResult<()> {
+        let mut passed_over = Vec::new();
+        let result =
+            self.admit_waiting(budget, scheduled_order, prefill_scheduled, &mut passed_over);
+        for &slot in passed_over.iter().rev() {
+            let key = priority_key(self.store.get(slot)?);
+            self.waiting.push_front(slot, key);
+        }
+        result
+    }
+
+    fn admit_waiting(
+        &mut self,
+        budget: &mut usize,
+        scheduled_order: &mut Vec<u32>,
+        prefill_scheduled: bool,
+        passed_over: &mut Vec<u32>,
     ) -> CoreResult<()> {
         let threshold = self.config.long_prefill_token_threshold;
         let k = self.config.num_speculative_tokens;
@@ -575,6 +593,13 @@ impl Scheduler {
                 break;
             };
             let r = self.store.get(slot)?;
+            if r.status == RequestStatus::Preempted && r.num_in_flight_tokens > 0 {
+                // As vLLM 0.33: output of a step scheduled before its preemption is still to
+                // come; resuming now could recompute positions that output delivers later.
+                self.waiting.pop();
+                passed_over.push(slot);
+                continue;
+            }
             let computed_before_hits = r.num_computed_tokens;
             let hit_tokens = self
                 .kv
