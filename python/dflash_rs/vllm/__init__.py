@@ -3,8 +3,8 @@
     vllm serve MODEL --scheduler-cls dflash_rs.vllm.DFlashRsScheduler
 
 ``DFlashRsScheduler`` implements vLLM's ``SchedulerInterface``, with ``AsyncScheduler``'s
-placeholder semantics under async scheduling; the per-step work runs in the Rust core. vLLM is imported on first use of ``DFlashRsScheduler`` (``import dflash_rs`` never
-imports it).
+placeholder semantics under async scheduling; the per-step work runs in the Rust core. vLLM is
+imported on first use of ``DFlashRsScheduler`` (``import dflash_rs`` never imports it).
 """
 
 from __future__ import annotations
