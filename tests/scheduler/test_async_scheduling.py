@@ -11,8 +11,10 @@ against the block table with ``drivers.ownership_violations``.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import deque
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
 import pytest
@@ -283,6 +285,11 @@ def test_preempted_request_is_passed_over_until_its_stale_output_arrives() -> No
 def test_async_scheduling_must_be_a_bool() -> None:
     with pytest.raises(InvalidArgumentError, match="async_scheduling"):
         SchedulerConfig(64, async_scheduling="yes")  # type: ignore[arg-type]
+    # A config object that skips the dataclass's checks is checked by the bindings too.
+    fields = dataclasses.asdict(SchedulerConfig(64))
+    fields["async_scheduling"] = "yes"
+    with pytest.raises(InvalidArgumentError, match=r"config\.async_scheduling must be a bool"):
+        Scheduler(SimpleNamespace(**fields))
 
 
 def test_a_sampling_entry_without_a_token_is_refused_and_changes_nothing() -> None:
