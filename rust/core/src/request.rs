@@ -79,6 +79,12 @@ pub struct Request {
     pub status: RequestStatus,
     /// Tokens whose KV is computed (or being computed by the step in flight).
     pub num_computed_tokens: usize,
+    /// Async scheduling: tokens the steps in flight will add (one sampled token plus the
+    /// scheduled drafts per step), already counted in `num_computed_tokens`.
+    pub num_output_placeholders: usize,
+    /// Tokens scheduled in steps whose output is not applied yet (including steps scheduled
+    /// before a preemption, whose output is stale).
+    pub num_in_flight_tokens: usize,
     /// Draft tokens proposed for the next step.
     pub spec_token_ids: Vec<u32>,
     /// Blocks held.
@@ -91,12 +97,6 @@ pub struct Request {
     pub arrival_seq: u64,
     /// Stop reason token when finished by a stop token.
     pub stop_token: Option<u32>,
-    /// Async scheduling: tokens the steps in flight will add (one sampled token plus the
-    /// scheduled drafts per step), already counted in `num_computed_tokens`.
-    pub num_output_placeholders: usize,
-    /// Tokens scheduled in steps whose output is not applied yet (including steps scheduled
-    /// before a preemption, whose output is stale).
-    pub num_in_flight_tokens: usize,
 }
 
 impl Request {

@@ -547,7 +547,7 @@ impl PyScheduler {
             )?;
             d.set_item(
                 "spec_num_draft_tokens_per_pos",
-                s.num_draft_tokens_per_pos.clone(),
+                s.num_draft_tokens_per_pos(),
             )?;
             d.set_item("lookahead_tokens", inner.lookahead_tokens())?;
             Ok(d)

@@ -43,10 +43,21 @@ pub struct SchedulerStats {
     pub num_accepted_tokens: u64,
     /// Accepted drafts per draft position.
     pub num_accepted_tokens_per_pos: Vec<u64>,
-    /// Verified drafts per draft position.
-    pub num_draft_tokens_per_pos: Vec<u64>,
+    /// Requests that verified `i` drafts, for `i` in `0..=K` (entry 0 unused).
+    pub num_drafts_by_count: Vec<u64>,
     /// Requests finished.
     pub num_finished: u64,
+}
+
+impl SchedulerStats {
+    /// Verified drafts per draft position (position `p` counts requests with more than `p`).
+    pub fn num_draft_tokens_per_pos(&self) -> Vec<u64> {
+        let mut per_pos: Vec<u64> = self.num_drafts_by_count.iter().skip(1).copied().collect();
+        for p in (1..per_pos.len()).rev() {
+            per_pos[p - 1] += per_pos[p];
+        }
+        per_pos
+    }
 }
 
 /// A scheduled entry awaiting its model output.
@@ -158,7 +169,7 @@ impl Scheduler {
         let rows = BatchRows::new(config.max_num_seqs, config.block_table_width())?;
         let stats = SchedulerStats {
             num_accepted_tokens_per_pos: vec![0; config.num_speculative_tokens],
-            num_draft_tokens_per_pos: vec![0; config.num_speculative_tokens],
+            num_drafts_by_count: vec![0; config.num_speculative_tokens + 1],
             ..Default::default()
         };
         Ok(Self {

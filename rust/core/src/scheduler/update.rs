@@ -110,10 +110,12 @@ impl Scheduler {
                         *c += 1;
                     }
                 }
-                for pos in 0..e.num_spec_tokens as usize {
-                    if let Some(c) = self.stats.num_draft_tokens_per_pos.get_mut(pos) {
-                        *c += 1;
-                    }
+                if let Some(c) = self
+                    .stats
+                    .num_drafts_by_count
+                    .get_mut(e.num_spec_tokens as usize)
+                {
+                    *c += 1;
                 }
             }
             let tokens_start = out.new_token_ids.len() as u32;
