@@ -77,14 +77,14 @@ pub struct Request {
     pub block_hashes: Vec<BlockHash>,
     /// Lifecycle state.
     pub status: RequestStatus,
-    /// Tokens whose KV is computed (or being computed by the step in flight).
-    pub num_computed_tokens: usize,
     /// Async scheduling: tokens the steps in flight will add (one sampled token plus the
     /// scheduled drafts per step), already counted in `num_computed_tokens`.
     pub num_output_placeholders: usize,
     /// Tokens scheduled in steps whose output is not applied yet (including steps scheduled
     /// before a preemption, whose output is stale).
     pub num_in_flight_tokens: usize,
+    /// Tokens whose KV is computed (or being computed by the step in flight).
+    pub num_computed_tokens: usize,
     /// Draft tokens proposed for the next step.
     pub spec_token_ids: Vec<u32>,
     /// Blocks held.

@@ -83,7 +83,7 @@ fn two_steps_in_flight_count_placeholders() {
     let r = req(&s, "a");
     // The prefill samples one token: a placeholder, and K placeholder drafts for the next step.
     assert_eq!((r.num_computed_tokens, r.num_output_placeholders), (20, 1));
-    assert_eq!(r.spec_token_ids, vec![PLACEHOLDER_TOKEN; 3]);
+    assert_eq!(r.spec_token_ids.as_slice(), &[PLACEHOLDER_TOKEN; 3]);
     assert!(!r.is_prefill_chunk);
 
     // Step 1 before step 0's output: 1 + K tokens on top of the placeholder.
