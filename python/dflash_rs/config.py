@@ -64,6 +64,10 @@ class SchedulerConfig:
     ``pad_admitted_decodes=True`` follows vLLM 0.33: an admitted request with one token left to
     compute (a resume, a full prefix hit) joins a decode batch as 1 + K tokens with K
     placeholder drafts (``-1`` in ``scheduled_spec_decode_tokens``), keeping the batch uniform.
+    ``async_scheduling=True`` follows vLLM's ``AsyncScheduler``: the next step may be scheduled
+    before the previous step's output is applied. A request that samples in a step counts the
+    tokens it will get as output placeholders and is scheduled again with K placeholder drafts
+    (``-1``) that the model runner replaces with its own; outputs are applied in step order.
     """
 
     num_blocks: int
@@ -81,6 +85,7 @@ class SchedulerConfig:
     lookahead_policy: str = "correct"
     verify_prefix_hits: bool = True
     pad_admitted_decodes: bool = False
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _check_int("num_blocks", self.num_blocks, 2)
@@ -93,6 +98,7 @@ class SchedulerConfig:
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_bool("verify_prefix_hits", self.verify_prefix_hits)
         _check_bool("pad_admitted_decodes", self.pad_admitted_decodes)
+        _check_bool("async_scheduling", self.async_scheduling)
         if self.policy not in _POLICIES:
             raise InvalidArgumentError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.hash_algo not in _HASH_ALGOS:

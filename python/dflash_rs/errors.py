@@ -57,4 +57,4 @@ class InvariantError(DFlashRsError, AssertionError):
 
 class UnsupportedFeatureError(DFlashRsError, NotImplementedError):
     """A configuration asks for a feature dflash-rs does not implement (yet), e.g. a vLLM KV
-    connector or async scheduling. Raised when the object is built, never silently ignored."""
+    connector. Raised when the object is built, never silently ignored."""

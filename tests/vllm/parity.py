@@ -1,4 +1,5 @@
-"""Lockstep driver: vLLM 0.33's ``Scheduler`` and ``DFlashRsScheduler`` on one seeded trace.
+"""Lockstep driver: vLLM 0.33's ``Scheduler`` (or ``AsyncScheduler``) and ``DFlashRsScheduler``
+on one seeded trace.
 
 Both are built offline from the same ``VllmConfig``/``KVCacheConfig`` and get equal (but
 separate) vLLM ``Request`` objects, the same fabricated ``ModelRunnerOutput`` each step (random
@@ -10,6 +11,11 @@ Fabrication follows what a real sampler does, so that the comparison is not dist
 outputs a real engine never produces: no stop token below ``min_tokens`` (vLLM's logits
 processors mask them; dflash-rs's stop check relies on that), drafts never hold stop tokens, and
 a request samples only in steps that finish its prefill.
+
+With ``async_scheduling`` the trace follows vLLM's engine loop for async scheduling
+(``EngineCore.step_with_batch_queue`` with two batches): step N+1 is scheduled before the output
+of step N is applied, the scheduled drafts are placeholders (``-1``) whose real values only the
+model runner knows, and the runner never reports drafts to the scheduler.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -53,6 +60,14 @@ class TraceParams:
     eos_prob: float = 0.03
     arrival_prob: float = 0.3
     v1_runner: bool = False
+    #: vLLM's AsyncScheduler and the async engine loop (two steps in flight).
+    async_scheduling: bool = False
+    #: Async: steps in flight at most (vLLM's ``max_concurrent_batches``: 2 for async
+    #: scheduling, pipeline stages + 1 with the V2 model runner).
+    batch_queue_size: int = 2
+    #: Async only: chance that a step's placeholder drafts are rewritten with the runner's
+    #: (``update_draft_token_ids_in_output``), some of them too short (padded with -1).
+    rewrite_drafts_prob: float = 0.0
     #: Known dflash-rs divergences (see KNOWN_DIVERGENCES) to neutralise on the vLLM side.
     emulate: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
@@ -80,6 +95,12 @@ class TraceResult:
     resumed: int = 0
     spec_steps: int = 0
     max_running: int = 0
+    #: Async: the most output placeholders a request had after a schedule().
+    max_placeholders: int = 0
+    #: Async: outputs applied to a request preempted while they were in flight.
+    stale_outputs: int = 0
+    #: Async: steps whose placeholder drafts were rewritten before their output.
+    draft_rewrites: int = 0
 
 
 def _fail(p: TraceParams, step: int, what: str, ours: Any, vllm: Any) -> Divergence:
@@ -182,6 +203,7 @@ class Lockstep:
     """Drives both schedulers through one trace."""
 
     def __init__(self, offline: Any, p: TraceParams) -> None:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
 
         from dflash_rs.vllm import DFlashRsScheduler
@@ -191,7 +213,8 @@ class Lockstep:
         saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if p.v1_runner else "1"
         try:
-            self._build(offline, p, Scheduler, DFlashRsScheduler)
+            cls = AsyncScheduler if p.async_scheduling else Scheduler
+            self._build(offline, p, cls, DFlashRsScheduler)
         finally:
             if saved is None:
                 del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
@@ -216,6 +239,7 @@ class Lockstep:
             max_num_seqs=p.max_num_seqs,
             max_num_batched_tokens=p.max_num_batched_tokens,
             policy=p.policy,
+            async_scheduling=p.async_scheduling,
             **p.extra,
         )
         self.cfg = cfg
@@ -299,30 +323,15 @@ class Lockstep:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> TraceResult:
-        from vllm.v1.request import RequestStatus
-
-        p, rng, res = self.p, self.rng, self.res
+        if self.p.async_scheduling:
+            return self._run_async()
+        p, res = self.p, self.res
         initial = max(1, p.num_requests // 3)
         for _ in range(initial):
             self._new_request(0)
         for step in range(1, p.max_steps + 1):
             res.steps = step
-            if self.next_id < p.num_requests and rng.random() < p.arrival_prob:
-                self._new_request(step)
-            if rng.random() < p.abort_prob and self.vllm.requests:
-                live = sorted(self.vllm.requests)
-                rid = live[int(rng.integers(0, len(live)))]
-                a = [
-                    r.request_id
-                    for r in self.vllm.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-                ]
-                b = [
-                    r.request_id
-                    for r in self.ours.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-                ]
-                if a != b:
-                    raise _fail(p, step, "finish_requests", b, a)
-                res.aborted += len(a)
+            self._arrivals_and_aborts(step)
             self._compare_state(step, "before schedule")
             if not self.vllm.has_requests() and not self.ours.has_requests():
                 if self.next_id >= p.num_requests:
@@ -333,20 +342,7 @@ class Lockstep:
             compare_outputs(p, step, sv, sd)
             self._account(sv)
             mro = self._runner_output(sv)
-            ov = self.vllm.update_from_output(sv, copy.deepcopy(mro))
-            od = self.ours.update_from_output(sd, copy.deepcopy(mro))
-            a, b = _norm_engine(ov), _norm_engine(od)
-            if a != b:
-                keys = sorted(set(a) | set(b))
-                raise _fail(
-                    p,
-                    step,
-                    "EngineCoreOutputs",
-                    {k: b.get(k) for k in keys if a.get(k) != b.get(k)},
-                    {k: a.get(k) for k in keys if a.get(k) != b.get(k)},
-                )
-            res.finished += sum(1 for x in a.values() if x[2] is not None)
-            self._compare_stats(step, ov, od)
+            self._apply(step, sv, sd, mro)
             drafts = self._drafts(sv)
             if drafts is not None:
                 self.vllm.update_draft_token_ids(copy.deepcopy(drafts))
@@ -360,6 +356,167 @@ class Lockstep:
             self.ours.core.check_invariants()
             self._compare_state(step, "after update")
         return res
+
+    def _arrivals_and_aborts(self, step: int) -> None:
+        """Maybe a new request, maybe an abort of a live one (on both schedulers)."""
+        from vllm.v1.request import RequestStatus
+
+        p, rng = self.p, self.rng
+        if self.next_id < p.num_requests and rng.random() < p.arrival_prob:
+            self._new_request(step)
+        if rng.random() < p.abort_prob and self.vllm.requests:
+            live = sorted(self.vllm.requests)
+            rid = live[int(rng.integers(0, len(live)))]
+            a = [
+                r.request_id for r in self.vllm.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+            ]
+            b = [
+                r.request_id for r in self.ours.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+            ]
+            if a != b:
+                raise _fail(p, step, "finish_requests", b, a)
+            self.res.aborted += len(a)
+
+    def _apply(self, step: int, sv: Any, sd: Any, mro: Any) -> None:
+        """update_from_output on both with the same runner output; compares what they return."""
+        ov = self.vllm.update_from_output(sv, copy.deepcopy(mro))
+        od = self.ours.update_from_output(sd, copy.deepcopy(mro))
+        a, b = _norm_engine(ov), _norm_engine(od)
+        if a != b:
+            keys = sorted(set(a) | set(b))
+            raise _fail(
+                self.p,
+                step,
+                "EngineCoreOutputs",
+                {k: b.get(k) for k in keys if a.get(k) != b.get(k)},
+                {k: a.get(k) for k in keys if a.get(k) != b.get(k)},
+            )
+        self.res.finished += sum(1 for x in a.values() if x[2] is not None)
+        self._compare_stats(step, ov, od)
+
+    # ------------------------------------------------------------------ async scheduling
+
+    def _run_async(self) -> TraceResult:
+        """vLLM's ``step_with_batch_queue``: schedule a step; if the queue is not full (and there
+        is work), return; otherwise apply the oldest step's output."""
+        p, res = self.p, self.res
+        for _ in range(max(1, p.num_requests // 3)):
+            self._new_request(0)
+        queue: deque[tuple[Any, Any, dict[str, tuple[bool, bool]]]] = deque()
+        for step in range(1, p.max_steps + 1):
+            res.steps = step
+            self._arrivals_and_aborts(step)
+            self._compare_state(step, "before schedule")
+            if self.vllm.has_requests():
+                sv = self.vllm.schedule()
+                sd = self.ours.schedule()
+                compare_outputs(p, step, sv, sd)
+                self._account(sv)
+                queue.append((sv, sd, self._sampling_plan(sv)))
+                res.max_placeholders = max(
+                    [res.max_placeholders]
+                    + [r.num_output_placeholders for r in self.vllm.requests.values()]
+                )
+                self.ours.core.check_invariants()
+                self._compare_state(step, "after schedule")
+                executed = sv.total_num_scheduled_tokens > 0
+                if len(queue) < p.batch_queue_size and (executed or self.vllm.has_requests()):
+                    continue
+            elif not queue:
+                if self.next_id >= p.num_requests:
+                    break
+                continue
+            sv, sd, plan = queue.popleft()
+            rewritten = self._maybe_rewrite_drafts(step, sv, sd)
+            res.draft_rewrites += bool(rewritten)
+            res.stale_outputs += sum(
+                1
+                for rid in sv.num_scheduled_tokens
+                if rid in self.vllm.requests and self.vllm.requests[rid].num_stale_output_tokens
+            )
+            self._apply(step, sv, sd, self._async_runner_output(sv, plan, rewritten))
+            self.ours.core.check_invariants()
+            self._compare_state(step, "after update")
+        return res
+
+    def _sampling_plan(self, sv: Any) -> dict[str, tuple[bool, bool]]:
+        """Per scheduled request, right after schedule(): (samples, admitted). A request samples
+        iff the step finishes its prefill; an admission's drafts are padding the runner rejects
+        (it has no drafts of its own for it yet)."""
+        admitted = {r.req_id for r in sv.scheduled_new_reqs}
+        admitted |= set(sv.scheduled_cached_reqs.resumed_req_ids)
+        return {
+            rid: (not self.vllm.requests[rid].is_prefill_chunk, rid in admitted)
+            for rid in sv.num_scheduled_tokens
+        }
+
+    def _maybe_rewrite_drafts(self, step: int, sv: Any, sd: Any) -> dict[str, list[int]]:
+        """Sometimes replaces the placeholder drafts in both outputs with the runner's
+        (``update_draft_token_ids_in_output``), some too short; returns the rewritten lists."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        rng, k = self.rng, self.k
+        spec = sv.scheduled_spec_decode_tokens
+        if not k or not spec or rng.random() >= self.p.rewrite_drafts_prob:
+            return {}
+        ids = sorted(spec)
+        drafts = [
+            rng.integers(FIRST_TOKEN, VOCAB, int(rng.integers(0, k + 1))).tolist() for _ in ids
+        ]
+        self.vllm.update_draft_token_ids_in_output(DraftTokenIds(ids, copy.deepcopy(drafts)), sv)
+        self.ours.update_draft_token_ids_in_output(DraftTokenIds(ids, copy.deepcopy(drafts)), sd)
+        pairs = [
+            (
+                "scheduled_spec_decode_tokens",
+                {r: list(x) for r, x in sv.scheduled_spec_decode_tokens.items()},
+                {r: list(x) for r, x in sd.scheduled_spec_decode_tokens.items()},
+            ),
+            ("num_invalid_spec_tokens", sv.num_invalid_spec_tokens, sd.num_invalid_spec_tokens),
+        ]
+        for name, a, b in pairs:
+            if a != b:
+                raise _fail(self.p, step, f"update_draft_token_ids_in_output: {name}", b, a)
+        return {rid: list(spec[rid]) for rid in ids if rid in spec}
+
+    def _async_runner_output(
+        self, sv: Any, plan: dict[str, tuple[bool, bool]], rewritten: dict[str, list[int]]
+    ) -> Any:
+        """The runner's output for ``sv`` under async scheduling. Its drafts are the runner's
+        own (the scheduler saw placeholders): it accepts any number of them, except an
+        admission's padding; rewritten drafts are accepted up to the first invalid one."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        rng, p = self.rng, self.p
+        req_ids = list(sv.num_scheduled_tokens)
+        rng.shuffle(req_ids)
+        sampled = []
+        for rid in req_ids:
+            samples, admitted = plan[rid]
+            if not samples:
+                sampled.append([])
+                continue
+            n = len(sv.scheduled_spec_decode_tokens.get(rid, ()))
+            if rid in rewritten:
+                drafts = rewritten[rid]
+                real = drafts[: drafts.index(-1)] if -1 in drafts else drafts
+                accepted = real[: int(rng.integers(0, len(real) + 1))]
+            elif admitted:
+                accepted = []
+            else:
+                accepted = rng.integers(FIRST_TOKEN, VOCAB, int(rng.integers(0, n + 1))).tolist()
+            bonus = int(rng.integers(FIRST_TOKEN, VOCAB))
+            req = self.vllm.requests.get(rid)
+            if req is not None and rng.random() < p.eos_prob:
+                params = req.sampling_params
+                if req.num_output_tokens + len(accepted) >= params.min_tokens:
+                    choices = [EOS, *(params.stop_token_ids or [])]
+                    bonus = int(choices[int(rng.integers(0, len(choices)))])
+            sampled.append([*accepted, bonus])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
 
     def _account(self, sv: Any) -> None:
         res = self.res
@@ -397,11 +554,25 @@ class Lockstep:
         core = d.core
         for rid, req in v.requests.items():
             mine = d.requests[rid]
-            got = (core.num_computed_tokens(rid), str(mine.status), mine.num_preemptions)
-            want = (req.num_computed_tokens, str(req.status), req.num_preemptions)
+            got = (
+                core.num_computed_tokens(rid),
+                core.num_output_placeholders(rid),
+                str(mine.status),
+                mine.num_preemptions,
+            )
+            want = (
+                req.num_computed_tokens,
+                req.num_output_placeholders,
+                str(req.status),
+                req.num_preemptions,
+            )
             if got != want:
                 raise _fail(
-                    p, step, f"request {rid} (computed, status, preemptions) ({when})", got, want
+                    p,
+                    step,
+                    f"request {rid} (computed, placeholders, status, preemptions) ({when})",
+                    got,
+                    want,
                 )
             if core.all_token_ids(rid) != list(req.all_token_ids):
                 raise _fail(

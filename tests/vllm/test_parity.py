@@ -1,11 +1,14 @@
-"""Parity: vLLM 0.33's own ``Scheduler`` and ``DFlashRsScheduler``, step by step, same traces.
+"""Parity: vLLM 0.33's own ``Scheduler`` and ``DFlashRsScheduler``, step by step, same traces;
+and, with async scheduling, vLLM's ``AsyncScheduler`` and ``DFlashRsScheduler`` driven by the
+engine's async loop (step N+1 scheduled before step N's output is applied).
 
 Each case drives both schedulers through one seeded trace (``parity.Lockstep``): shared-prefix
 prompts, a pool small enough to preempt, chunked prefill, random acceptance of random drafts,
 EOS/stop tokens, random aborts. After every call it compares the scheduled requests and token
 counts, spec tokens, new/cached request data (block ids included), preempted and finished ids,
 the EngineCoreOutputs (tokens, finish and stop reasons), SchedulerStats and the per-request
-state. The first difference fails the case with its seed, step and field.
+state (including ``num_output_placeholders``). The first difference fails the case with its
+seed, step and field.
 
 Adaptations for intended differences (docs/ARCHITECTURE.md, "vLLM drop-in"):
 
@@ -53,14 +56,24 @@ class Case(NamedTuple):
     #: max_num_batched_tokens (None: the trace default, 96 for K = 8). At 64 with K = 8, vLLM
     #: lowers max_num_active_seqs to 64 // 9 = 7 for the DFlash draft pass.
     budget: Optional[int] = None
+    #: Steps in flight under async scheduling (0: synchronous). 2 is vLLM's async engine; 3 is
+    #: what the V2 model runner keeps in flight with two pipeline stages (stale outputs of
+    #: preempted requests then arrive after a later schedule()).
+    in_flight: int = 0
+    #: Pool size (None: the trace default, 48 blocks of 16).
+    num_blocks: Optional[int] = None
 
     @property
     def id(self) -> str:
         k = f"-K{self.k}" if self.k else ""
         budget = f"-budget{self.budget}" if self.budget else ""
         v1 = "-v1" if self.v1_runner else ""
-        return f"{self.method}{k}-{self.policy}{v1}{budget}-seed{self.seed}"
+        mode = f"-async{self.in_flight}" if self.in_flight else ""
+        pool = f"-pool{self.num_blocks}" if self.num_blocks else ""
+        return f"{self.method}{k}-{self.policy}{v1}{mode}{budget}{pool}-seed{self.seed}"
 
+
+_SMALL_POOL = (("none", 0), ("ngram", 3), ("dflash", 3))
 
 _CASES: list[Case] = [
     *(Case("none", 0, seed=s) for s in range(6)),
@@ -75,6 +88,25 @@ _CASES: list[Case] = [
     *(Case("dflash", 3, v1_runner=True, seed=s) for s in range(3)),
 ]
 
+#: Async scheduling (vLLM's AsyncScheduler): every method, both policies and runners, a pool
+#: small enough to preempt often, and three steps in flight.
+_ASYNC_CASES: list[Case] = [
+    *(Case("none", 0, seed=s, in_flight=2) for s in range(3)),
+    *(Case("ngram", 3, seed=s, in_flight=2) for s in range(3)),
+    *(Case("eagle", 3, seed=s, in_flight=2) for s in range(3)),
+    *(Case("dflash", 3, seed=s, in_flight=2) for s in range(4)),
+    *(Case("dflash", 8, seed=s, in_flight=2) for s in range(2)),
+    Case("dflash", 8, seed=0, budget=64, in_flight=2),
+    *(Case("none", 0, "priority", seed=s, in_flight=2) for s in range(2)),
+    *(Case("dflash", 3, "priority", seed=s, in_flight=2) for s in range(2)),
+    *(Case("none", 0, v1_runner=True, seed=s, in_flight=2) for s in range(2)),
+    *(Case("dflash", 3, v1_runner=True, seed=s, in_flight=2) for s in range(2)),
+    *(Case(m, k, seed=s, in_flight=2, num_blocks=24) for m, k in _SMALL_POOL for s in range(2)),
+    *(Case(m, k, seed=s, in_flight=3) for m, k in (("none", 0), ("eagle", 3)) for s in range(2)),
+    *(Case("dflash", 3, seed=s, in_flight=3) for s in range(3)),
+    Case("dflash", 3, "priority", seed=0, in_flight=3, num_blocks=24),
+]
+
 #: Cases that diverge today: first diverging step and field, and the known divergences that
 #: explain them. Empty since the core fixed "cache-at-update", "free-order", "pad-admission" and
 #: "stop-trim" (21 cases diverged before).
@@ -86,6 +118,11 @@ def _params(case: Case, emulate: tuple[str, ...] = ()) -> TraceParams:
     budget = case.budget or (96 if case.k == 8 else None)
     if budget:
         extra["max_num_batched_tokens"] = budget
+    if case.num_blocks:
+        extra["num_blocks"] = case.num_blocks
+    if case.in_flight:
+        extra.update(async_scheduling=True, batch_queue_size=case.in_flight)
+        extra["rewrite_drafts_prob"] = 0.2
     return TraceParams(
         seed=case.seed,
         method=case.method,
@@ -107,7 +144,7 @@ def _with_marks(case: Case) -> Any:
     return pytest.param(case, id=case.id, marks=(mark,))
 
 
-@pytest.mark.parametrize("case", [_with_marks(c) for c in _CASES])
+@pytest.mark.parametrize("case", [_with_marks(c) for c in _CASES + _ASYNC_CASES])
 def test_parity(offline: Any, case: Case) -> None:
     try:
         res = Lockstep(offline, _params(case)).run()
@@ -128,5 +165,19 @@ def test_traces_exercise_the_hard_paths(offline: Any) -> None:
         res = Lockstep(offline, _params(Case("dflash", 3, seed=seed))).run()
         for key in totals:
             totals[key] += getattr(res, key)
+        assert res.finished > 0 and res.max_running > 1
+    assert all(v > 0 for v in totals.values()), totals
+
+
+def test_async_traces_exercise_the_hard_paths(offline: Any) -> None:
+    """Under async scheduling the traces keep two or three steps in flight with placeholders,
+    preempt requests whose output is in flight (stale outputs), and rewrite placeholder drafts."""
+    totals = {"preemptions": 0, "resumed": 0, "stale_outputs": 0, "draft_rewrites": 0}
+    for in_flight in (2, 3):
+        res = Lockstep(offline, _params(Case("dflash", 3, seed=1, in_flight=in_flight))).run()
+        for key in totals:
+            totals[key] += getattr(res, key)
+        # Two steps in flight of 1 + K placeholders each (three with a queue of three).
+        assert res.max_placeholders == in_flight * (1 + 3)
         assert res.finished > 0 and res.max_running > 1
     assert all(v > 0 for v in totals.values()), totals

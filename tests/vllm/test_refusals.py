@@ -63,7 +63,6 @@ def _full(block_size: int = 16) -> Any:
 
 # (vLLM config keyword arguments of OfflineVllm.configs, words the error must contain)
 REAL_CONFIGS = [
-    ({"async_scheduling": True}, "--no-async-scheduling"),
     ({"method": "eagle"}, "disable_eagle_block_drop"),
     ({"method": "eagle3"}, "disable_eagle_block_drop"),
     ({"scheduler": {"watermark": 0.1}}, "watermark"),

@@ -1,10 +1,10 @@
 """dflash-rs as a drop-in scheduler for vLLM 0.33 (``pip install 'dflash-rs[vllm]'``).
 
-    vllm serve MODEL --no-async-scheduling --scheduler-cls dflash_rs.vllm.DFlashRsScheduler
+    vllm serve MODEL --scheduler-cls dflash_rs.vllm.DFlashRsScheduler
 
-``DFlashRsScheduler`` implements vLLM's ``SchedulerInterface``; the per-step work runs in the
-Rust core. vLLM is imported on first use of ``DFlashRsScheduler`` (``import dflash_rs`` never
-imports it).
+``DFlashRsScheduler`` implements vLLM's ``SchedulerInterface``, with ``AsyncScheduler``'s
+placeholder semantics under async scheduling; the per-step work runs in the Rust core. vLLM is
+imported on first use of ``DFlashRsScheduler`` (``import dflash_rs`` never imports it).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from dflash_rs.config import SchedulerConfig, SpeculativeConfig
 from dflash_rs.errors import UnsupportedFeatureError
 
-__all__ = ["Translated", "check_async_scheduling", "translate_config"]
+__all__ = ["Translated", "translate_config"]
 
 # vLLM speculative method -> dflash-rs method. Missing: dspark, ngram_gpu, draft_model (it
 # needs extra query slots per request, `max_num_new_slots_for_drafting`), custom_class and
@@ -46,21 +46,14 @@ class Translated:
     #: `scheduled_cached_reqs.resumed_req_ids` (V1).
     use_v2_model_runner: bool
     block_size: int
+    #: The engine schedules a step before the previous one's output arrives.
+    async_scheduling: bool
 
 
 def _refuse(feature: str, how: str) -> UnsupportedFeatureError:
     return UnsupportedFeatureError(
         f"dflash_rs.vllm.DFlashRsScheduler does not support {feature} yet; {how}"
     )
-
-
-def check_async_scheduling(vllm_config: Any) -> None:
-    """Async scheduling needs output placeholders, which the Rust core lacks for now."""
-    if vllm_config.scheduler_config.async_scheduling:
-        raise _refuse(
-            "async scheduling (output placeholders)",
-            "run vLLM with --no-async-scheduling",
-        )
 
 
 def _check_kv_cache_config(
@@ -254,7 +247,6 @@ def translate_config(
 ) -> Translated:
     """Checks vLLM's configuration and builds the dflash-rs one; raises
     ``UnsupportedFeatureError`` for anything the Rust core does not implement."""
-    check_async_scheduling(vllm_config)
     _check_engine(vllm_config)
     _check_kv_cache_config(kv_cache_config, block_size, hash_block_size)
     speculative = _speculative(vllm_config)
@@ -276,10 +268,13 @@ def translate_config(
         hash_algo=_HASH_ALGOS[cache.prefix_caching_hash_algo],
         # vLLM 0.33 pads an admission with one token left to a uniform 1 + K decode.
         pad_admitted_decodes=speculative is not None,
+        # vLLM's AsyncScheduler semantics (output placeholders) when the engine overlaps steps.
+        async_scheduling=bool(sched.async_scheduling),
     )
     return Translated(
         config=config,
         num_spec_tokens=vllm_config.num_speculative_tokens,
         use_v2_model_runner=bool(vllm_config.use_v2_model_runner),
         block_size=block_size,
+        async_scheduling=config.async_scheduling,
     )

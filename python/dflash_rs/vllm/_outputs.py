@@ -17,7 +17,13 @@ __all__ = ["OutputBuilder"]
 class OutputBuilder:
     """Builds vLLM's output types; holds the vLLM classes it needs (imported once)."""
 
-    def __init__(self, book: RequestBook, num_spec_tokens: int, use_v2_model_runner: bool) -> None:
+    def __init__(
+        self,
+        book: RequestBook,
+        num_spec_tokens: int,
+        use_v2_model_runner: bool,
+        async_scheduling: bool = False,
+    ) -> None:
         from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
         from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
         from vllm.v1.request import RequestStatus
@@ -25,6 +31,9 @@ class OutputBuilder:
         self.book = book
         self.num_spec_tokens = num_spec_tokens
         self.v2 = use_v2_model_runner
+        #: Steps overlap: scheduled drafts are mostly placeholders, and running requests count
+        #: the outputs still in flight (``num_output_placeholders``).
+        self.async_scheduling = async_scheduling
         self.NewRequestData = NewRequestData
         self.CachedRequestData = CachedRequestData
         self.SchedulerOutput = SchedulerOutput
@@ -104,6 +113,10 @@ class OutputBuilder:
         counts = out.num_spec_tokens_array
         if not counts.any():
             return {}
+        if self.async_scheduling:
+            # Placeholders (-1) for drafts the runner proposes after this step was planned;
+            # drafts handed to update_draft_token_ids may be older than the step.
+            return out.scheduled_spec_decode_tokens
         drafts = self.book.drafts
         admitted = {r.req_id for r in out.scheduled_new_reqs}
         spec = {}
@@ -135,6 +148,12 @@ class OutputBuilder:
                 if rid not in prev:
                     all_token_ids[rid] = core.all_token_ids(rid)
         num_output = self.book.num_output
+        if self.async_scheduling:
+            # vLLM counts the outputs of the steps in flight too.
+            ph = dict(zip(out.req_ids, out.num_output_placeholders.tolist()))
+            num_output_tokens = [num_output[rid] + ph[rid] for rid in req_ids]
+        else:
+            num_output_tokens = [num_output[rid] for rid in req_ids]
         return self.CachedRequestData(
             req_ids=req_ids,
             resumed_req_ids=resumed,
@@ -142,7 +161,7 @@ class OutputBuilder:
             all_token_ids=all_token_ids,
             new_block_ids=new_block_ids,
             num_computed_tokens=num_computed,
-            num_output_tokens=[num_output[rid] for rid in req_ids],
+            num_output_tokens=num_output_tokens,
         )
 
     def error_output(self, request: Any, message: str, code: str = "validation_error") -> Any:

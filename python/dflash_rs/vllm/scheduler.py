@@ -1,9 +1,10 @@
 """``DFlashRsScheduler``: vLLM 0.33's ``SchedulerInterface`` on top of the Rust core.
 
-Select it with ``--scheduler-cls dflash_rs.vllm.DFlashRsScheduler`` (and
-``--no-async-scheduling`` for now). Each engine step crosses into Rust once per call
-(``schedule``, ``update_from_output``, ``update_draft_token_ids``); Python only turns the Rust
-outputs into vLLM's ``SchedulerOutput`` and ``EngineCoreOutputs``.
+Select it with ``--scheduler-cls dflash_rs.vllm.DFlashRsScheduler``; with async scheduling
+(vLLM's default) it follows vLLM's ``AsyncScheduler`` (output placeholders), otherwise its
+``Scheduler``. Each engine step crosses into Rust once per call (``schedule``,
+``update_from_output``, ``update_draft_token_ids``); Python only turns the Rust outputs into
+vLLM's ``SchedulerOutput`` and ``EngineCoreOutputs``.
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class DFlashRsScheduler(SchedulerInterface):
                 f"{self._core.required_lookahead_tokens}; this vLLM version is not supported"
             )
         self._book = RequestBook(log_stats, block_size, tr.config.enable_prefix_caching)
-        self._out = OutputBuilder(self._book, tr.num_spec_tokens, tr.use_v2_model_runner)
+        self.async_scheduling = tr.async_scheduling
+        self._out = OutputBuilder(
+            self._book, tr.num_spec_tokens, tr.use_v2_model_runner, tr.async_scheduling
+        )
         #: vLLM's KV/EC connectors: refused at construction, so always None.
         self.connector = None
         self.ec_connector = None
@@ -95,7 +99,8 @@ class DFlashRsScheduler(SchedulerInterface):
         #: The latest dflash-rs step (drafts in its batch order take the array path).
         self._last_core_out: Any = None
         self._prefix_snapshot = (0, 0, 0)
-        self._spec_snapshot: tuple[int, int, int, list[int]] = (0, 0, 0, [0] * self.num_spec_tokens)
+        zeros = [0] * self.num_spec_tokens
+        self._spec_snapshot: tuple[int, int, int, list[int], list[int]] = (0, 0, 0, zeros, zeros)
 
     # ------------------------------------------------------------------ requests
 
@@ -230,7 +235,7 @@ class DFlashRsScheduler(SchedulerInterface):
                 eco.finished_requests = ids
             self._finished_dict = {}
         if self.log_stats:
-            stats = self._make_stats(core_out)
+            stats = self._make_stats(core_out, _invalid_drafts(scheduler_output, results))
             eco = next(iter(outputs.values()), None)
             if eco is None:
                 outputs[0] = eco = EngineCoreOutputs()
@@ -259,13 +264,22 @@ class DFlashRsScheduler(SchedulerInterface):
             self._core.update_draft_token_ids(dict(zip(ids, lists)))
 
     def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> None:
-        """Async scheduling: replaces the placeholder drafts of an already built output."""
+        """Async scheduling: replaces the placeholder drafts of an already built output with
+        the runner's, cut to the scheduled count; missing ones are padded with -1 and counted in
+        ``num_invalid_spec_tokens`` (left out of the spec-decoding stats), as vLLM does."""
+        invalid: dict[str, int] = {}
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         for rid, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
             placeholders = scheduled.get(rid)
-            if placeholders and rid in self._book.requests:
-                scheduled[rid] = list(drafts[: len(placeholders)])
-        scheduler_output.num_invalid_spec_tokens = {}
+            if not placeholders or rid not in self._book.requests:
+                continue
+            n = len(placeholders)
+            del drafts[n:]  # in place, like vLLM (structured outputs, which filter, are refused)
+            if len(drafts) < n:
+                invalid[rid] = n - len(drafts)
+                drafts.extend([-1] * (n - len(drafts)))
+            scheduled[rid] = drafts
+        scheduler_output.num_invalid_spec_tokens = invalid
 
     # ------------------------------------------------------------------ state and stats
 
@@ -295,9 +309,9 @@ class DFlashRsScheduler(SchedulerInterface):
         return self._core.kv_cache_usage
 
     def make_stats(self) -> Optional[SchedulerStats]:
-        return self._make_stats(None) if self.log_stats else None
+        return self._make_stats(None, []) if self.log_stats else None
 
-    def _make_stats(self, core_out: Any) -> SchedulerStats:
+    def _make_stats(self, core_out: Any, invalid: list[tuple[int, int]]) -> SchedulerStats:
         s = self._core.stats()
         prefix = (s["prefix_cache_requests"], s["prefix_cache_queries"], s["prefix_cache_hits"])
         old = self._prefix_snapshot
@@ -307,7 +321,7 @@ class DFlashRsScheduler(SchedulerInterface):
         )
         spec_stats = None
         if core_out is not None and self.num_spec_tokens:
-            spec_stats = self._spec_stats(s, core_out)
+            spec_stats = self._spec_stats(s, invalid)
         return SchedulerStats(
             num_running_reqs=s["num_running"],
             num_waiting_reqs=s["num_waiting"],
@@ -316,25 +330,32 @@ class DFlashRsScheduler(SchedulerInterface):
             spec_decoding_stats=spec_stats,
         )
 
-    def _spec_stats(self, s: dict[str, Any], core_out: Any) -> Optional[SpecDecodingStats]:
+    def _spec_stats(
+        self, s: dict[str, Any], invalid: list[tuple[int, int]]
+    ) -> Optional[SpecDecodingStats]:
+        """This step's SpecDecodingStats from the core's counters; ``invalid`` holds
+        (scheduled, invalid) draft counts of verified requests whose drafts were padded."""
         drafts, tokens, accepted = (
             s["spec_num_drafts"],
             s["spec_num_draft_tokens"],
             s["spec_num_accepted_tokens"],
         )
         per_pos = list(s["spec_num_accepted_tokens_per_pos"])
+        draft_pos = list(s["spec_num_draft_tokens_per_pos"])
         old = self._spec_snapshot
-        self._spec_snapshot = (drafts, tokens, accepted, per_pos)
+        self._spec_snapshot = (drafts, tokens, accepted, per_pos, draft_pos)
         if drafts == old[0]:
             return None
-        k = self.num_spec_tokens
-        stats = SpecDecodingStats.new(k)
+        stats = SpecDecodingStats.new(self.num_spec_tokens)
         stats.num_drafts = drafts - old[0]
         stats.num_draft_tokens = tokens - old[1]
         stats.num_accepted_tokens = accepted - old[2]
         stats.num_accepted_tokens_per_pos = [a - b for a, b in zip(per_pos, old[3])]
-        counts = np.bincount(core_out.num_spec_tokens_array, minlength=k + 1)[1 : k + 1]
-        stats.num_draft_tokens_per_pos = np.cumsum(counts[::-1])[::-1].tolist()
+        stats.num_draft_tokens_per_pos = [a - b for a, b in zip(draft_pos, old[4])]
+        for scheduled, n in invalid:
+            stats.num_draft_tokens -= n
+            for i in range(scheduled - n, scheduled):
+                stats.num_draft_tokens_per_pos[i] -= 1
         return stats
 
     def shutdown(self) -> None:
@@ -355,3 +376,17 @@ class DFlashRsScheduler(SchedulerInterface):
     def core(self) -> CoreScheduler:
         """The underlying ``dflash_rs.Scheduler`` (read its state, ``check_invariants()``)."""
         return self._core
+
+
+def _invalid_drafts(scheduler_output: Any, results: list[Any]) -> list[tuple[int, int]]:
+    """(scheduled, invalid) draft counts of the requests verified in this output whose drafts
+    ``update_draft_token_ids_in_output`` padded (vLLM leaves those out of its stats)."""
+    invalid = getattr(scheduler_output, "num_invalid_spec_tokens", None)
+    if not invalid:
+        return []
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    return [
+        (len(spec[ro.request_id]), invalid[ro.request_id])
+        for ro in results
+        if ro.request_id in invalid and ro.request_id in spec
+    ]

@@ -43,6 +43,10 @@ pub struct SchedulerConfig {
     /// prefix hit) to 1 + K tokens with K placeholder drafts when it joins a decode batch.
     /// Off by default; the vLLM drop-in turns it on.
     pub pad_admitted_decodes: bool,
+    /// vLLM's async scheduling (its `AsyncScheduler`): the next step is scheduled before the
+    /// previous one's output arrives, counting that output ahead as placeholders (one sampled
+    /// token plus the scheduled drafts per request, and K placeholder drafts for the next step).
+    pub async_scheduling: bool,
 }
 
 impl SchedulerConfig {
@@ -71,6 +75,7 @@ impl SchedulerConfig {
             lookahead_policy: LookaheadPolicy::Correct,
             verify_prefix_hits: true,
             pad_admitted_decodes: false,
+            async_scheduling: false,
         }
     }
 

@@ -30,6 +30,9 @@ pub struct StepOutput {
     pub num_scheduled_tokens: Vec<i32>,
     /// Computed tokens per entry before this step (prefix hits included).
     pub num_computed_tokens: Vec<i32>,
+    /// Async scheduling: output placeholders per entry before this step (tokens of earlier
+    /// steps in flight that the request has not received yet); 0 otherwise.
+    pub num_output_placeholders: Vec<u32>,
     /// Prefix sums of `num_scheduled_tokens` (length entries + 1).
     pub query_start_loc: Vec<i32>,
     /// True where the step ends before the request's known tokens.
@@ -67,6 +70,7 @@ impl StepOutput {
         self.kinds.clear();
         self.num_scheduled_tokens.clear();
         self.num_computed_tokens.clear();
+        self.num_output_placeholders.clear();
         self.query_start_loc.clear();
         self.is_prefill_chunk.clear();
         self.new_block_ids.clear();

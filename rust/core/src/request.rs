@@ -82,6 +82,12 @@ pub struct Request {
     pub block_hashes: Vec<BlockHash>,
     /// Lifecycle state.
     pub status: RequestStatus,
+    /// Async scheduling: tokens the steps in flight will add (one sampled token plus the
+    /// scheduled drafts per step), already counted in `num_computed_tokens`.
+    pub num_output_placeholders: usize,
+    /// Tokens scheduled in steps whose output is not applied yet (including steps scheduled
+    /// before a preemption, whose output is stale).
+    pub num_in_flight_tokens: usize,
     /// Tokens whose KV is computed (or being computed by the step in flight).
     pub num_computed_tokens: usize,
     /// Draft tokens proposed for the next step, inline up to [`INLINE_DRAFTS`] so a step reads
@@ -119,6 +125,8 @@ impl Request {
             num_preemptions: 0,
             arrival_seq,
             stop_token: None,
+            num_output_placeholders: 0,
+            num_in_flight_tokens: 0,
         }
     }
 
@@ -135,6 +143,14 @@ impl Request {
     /// Output tokens so far.
     pub fn num_output_tokens(&self) -> usize {
         self.tokens.len() - self.spec.prompt_token_ids.len()
+    }
+
+    /// vLLM's async skip rule: the steps in flight reach `max_tokens` even if every draft they
+    /// verify is rejected, so another step would only compute tokens that are dropped.
+    pub fn in_flight_reaches_max_tokens(&self) -> bool {
+        let ph = self.num_output_placeholders;
+        ph > 0
+            && self.num_computed_tokens + 2 >= ph + self.num_prompt_tokens() + self.spec.max_tokens
     }
 
     /// The view the KV-cache manager needs.

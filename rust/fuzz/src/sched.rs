@@ -439,7 +439,7 @@ impl Harness {
                     }
                 }
             }
-            // Synchronous engine loop (the core has no async scheduling): a step is planned
+            // Synchronous engine loop (async mode is not fuzzed here): a step is planned
             // only once the previous one's output was applied, and drafts come in between.
             SchedOp::Schedule => {
                 if self.pending.is_empty() {

@@ -123,6 +123,8 @@ pub struct LazyParts {
     pub num_computed: Vec<i32>,
     /// (slot, generation) of each entry: identifies the request without an id lookup.
     pub slots: Vec<(u32, u32)>,
+    /// Output placeholders before the step, per entry (async scheduling).
+    pub num_output_placeholders: Vec<u32>,
     /// The scheduler that produced the step.
     pub scheduler_uid: u64,
 }
@@ -218,6 +220,13 @@ impl PySchedulerOutput {
     #[getter]
     fn num_spec_tokens_array<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
         PyArray1::from_slice(py, &self.parts.spec_counts)
+    }
+
+    /// Async scheduling: output tokens still to come from earlier steps in flight, per
+    /// request, before this step (vLLM's `num_output_placeholders`); zeros otherwise.
+    #[getter]
+    fn num_output_placeholders<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
+        PyArray1::from_slice(py, &self.parts.num_output_placeholders)
     }
 
     /// `{req_id: tokens scheduled}` (built on first access).

@@ -171,6 +171,7 @@ impl State {
                 .copied()
                 .zip(step.generations.iter().copied())
                 .collect(),
+            num_output_placeholders: step.num_output_placeholders.clone(),
             scheduler_uid: step.scheduler_uid,
         };
         Ok(PySchedulerOutput::new(
@@ -476,6 +477,14 @@ impl PyScheduler {
             .with(py, |st| Ok(st.live(py, request_id)?.num_computed_tokens))
     }
 
+    /// Async scheduling: tokens the steps in flight will still add to a live request (sampled
+    /// tokens plus drafts), already counted in its computed tokens.
+    fn num_output_placeholders(&self, py: Python<'_>, request_id: &str) -> PyResult<usize> {
+        self.state.with(py, |st| {
+            Ok(st.live(py, request_id)?.num_output_placeholders)
+        })
+    }
+
     /// Known tokens (prompt + outputs) of a live request.
     fn all_token_ids(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<u32>> {
         self.state
@@ -563,6 +572,10 @@ impl PyScheduler {
             d.set_item(
                 "spec_num_accepted_tokens_per_pos",
                 s.num_accepted_tokens_per_pos.clone(),
+            )?;
+            d.set_item(
+                "spec_num_draft_tokens_per_pos",
+                s.num_draft_tokens_per_pos(),
             )?;
             d.set_item("lookahead_tokens", inner.lookahead_tokens())?;
             Ok(d)

@@ -53,6 +53,11 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
             .extract()
             .map_err(|_| invalid(py, "config.pad_admitted_decodes must be a bool"))?;
     }
+    if let Ok(v) = config.getattr("async_scheduling") {
+        c.async_scheduling = v
+            .extract()
+            .map_err(|_| invalid(py, "config.async_scheduling must be a bool"))?;
+    }
     c.lookahead_policy =
         LookaheadPolicy::from_name(&attr::<String>(config, "lookahead_policy")?).py(py)?;
     let speculative = config.getattr("speculative")?;

@@ -7,8 +7,9 @@ use super::Scheduler;
 
 impl Scheduler {
     /// Checks every invariant: pool accounting and ref counts, queue membership, block-table
-    /// rows, and the ownership contract (every running request owns slots for
-    /// `min(num_computed + required lookahead, max_model_len)` positions).
+    /// rows, the ownership contract (every running request owns slots for
+    /// `min(num_computed + required lookahead, max_model_len)` positions, placeholders
+    /// included), and the in-flight bookkeeping of async scheduling.
     pub fn check_invariants(&self) -> CoreResult<()> {
         self.kv
             .check_invariants(self.store.iter().map(|(_, r)| &r.blocks))?;
@@ -82,9 +83,44 @@ impl Scheduler {
                 ));
             }
         }
+        self.check_in_flight()?;
         for row in self.rows.len()..table.num_rows() {
             if table.counts()[row] != 0 || table.full_row(row).iter().any(|&x| x != 0) {
                 return Err(broken!("unused block-table row {row} is not zero"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Each live request's in-flight token count is what its steps awaiting output scheduled;
+    /// its placeholders are 0 unless it runs in async mode, and never exceed that count.
+    fn check_in_flight(&self) -> CoreResult<()> {
+        let mut in_flight = vec![0usize; self.store.capacity()];
+        for step in &self.in_flight {
+            for e in &step.entries {
+                if self.store.slot_of_generation(e.slot) == Some(e.generation) {
+                    in_flight[e.slot as usize] += e.num_scheduled as usize;
+                }
+            }
+        }
+        for (slot, r) in self.store.iter() {
+            let id = &r.spec.request_id;
+            if r.num_in_flight_tokens != in_flight[slot as usize] {
+                return Err(broken!(
+                    "request {id:?} counts {} tokens in flight but its steps awaiting output \
+                     scheduled {}",
+                    r.num_in_flight_tokens,
+                    in_flight[slot as usize]
+                ));
+            }
+            let ph = r.num_output_placeholders;
+            let allowed = self.config.async_scheduling && r.status == RequestStatus::Running;
+            if ph > 0 && (!allowed || ph > r.num_in_flight_tokens) {
+                return Err(broken!(
+                    "request {id:?} ({:?}) has {ph} output placeholders with {} tokens in flight",
+                    r.status,
+                    r.num_in_flight_tokens
+                ));
             }
         }
         Ok(())

@@ -1,9 +1,14 @@
-//! The continuous-batching scheduler (vLLM 0.33 semantics, one full-attention group, sync mode).
+//! The continuous-batching scheduler (vLLM 0.33 semantics, one full-attention group).
 //!
 //! Each `schedule()` first tops up running requests (preempting when the pool is short), then,
 //! if nothing was preempted, admits waiting requests. Every allocation reserves the lookahead
 //! the speculative method needs ([`crate::lookahead`]), so every position the target or the
 //! drafter writes in the step lies in a block the request owns.
+//!
+//! With `async_scheduling` (vLLM's `AsyncScheduler`), a step may be scheduled before the
+//! previous one's output is applied: each scheduled request that samples counts its coming
+//! tokens as output placeholders (already in `num_computed_tokens`) and gets K placeholder
+//! drafts, so the next step schedules 1 + K tokens for it; outputs resolve the placeholders.
 
 mod invariants;
 mod update;
@@ -38,8 +43,21 @@ pub struct SchedulerStats {
     pub num_accepted_tokens: u64,
     /// Accepted drafts per draft position.
     pub num_accepted_tokens_per_pos: Vec<u64>,
+    /// Requests that verified `i` drafts, for `i` in `0..=K` (entry 0 unused).
+    pub num_drafts_by_count: Vec<u64>,
     /// Requests finished.
     pub num_finished: u64,
+}
+
+impl SchedulerStats {
+    /// Verified drafts per draft position (position `p` counts requests with more than `p`).
+    pub fn num_draft_tokens_per_pos(&self) -> Vec<u64> {
+        let mut per_pos: Vec<u64> = self.num_drafts_by_count.iter().skip(1).copied().collect();
+        for p in (1..per_pos.len()).rev() {
+            per_pos[p - 1] += per_pos[p];
+        }
+        per_pos
+    }
 }
 
 /// A scheduled entry awaiting its model output.
@@ -52,6 +70,11 @@ struct InFlightEntry {
     rank: u32,
     num_spec_tokens: u32,
     is_prefill_chunk: bool,
+    /// Tokens scheduled (taken off the request's in-flight count when the output arrives).
+    num_scheduled: u32,
+    /// The request's preemption count at scheduling: an output scheduled before a later
+    /// preemption is stale (its tokens are delivered, its counters were reset).
+    preemptions: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -60,7 +83,8 @@ struct InFlightStep {
     entries: Vec<InFlightEntry>,
 }
 
-/// A placeholder draft token (vLLM's `-1`): scheduled for a padded admission, never accepted.
+/// A placeholder draft token (vLLM's `-1`): scheduled for a padded admission, never accepted,
+/// or (async scheduling) standing for a draft the runner proposes after this step is planned.
 pub const PLACEHOLDER_TOKEN: u32 = u32::MAX;
 
 /// Per-step scratch state of `schedule()`.
@@ -145,6 +169,7 @@ impl Scheduler {
         let rows = BatchRows::new(config.max_num_seqs, config.block_table_width())?;
         let stats = SchedulerStats {
             num_accepted_tokens_per_pos: vec![0; config.num_speculative_tokens],
+            num_drafts_by_count: vec![0; config.num_speculative_tokens + 1],
             ..Default::default()
         };
         Ok(Self {
@@ -399,8 +424,14 @@ impl Scheduler {
         while index < self.running.len() && *budget > 0 {
             let slot = self.running[index];
             let r = self.store.get(slot)?;
+            if r.in_flight_reaches_max_tokens() {
+                index += 1;
+                continue;
+            }
             let computed = r.num_computed_tokens;
-            let mut num_new = (r.num_tokens() + r.spec_token_ids.len()).saturating_sub(computed);
+            let placeholders = r.num_output_placeholders;
+            let mut num_new =
+                (r.num_tokens() + r.spec_token_ids.len() + placeholders).saturating_sub(computed);
             if threshold > 0 && num_new > threshold {
                 num_new = threshold;
             }
@@ -482,7 +513,7 @@ impl Scheduler {
             self.scratch.new_blocks_start[s] = first_new as u32;
             self.scratch.computed_before[s] = computed as u32;
             self.scratch.spec[s].clear();
-            let num_spec = (num_new + computed).saturating_sub(r.num_tokens());
+            let num_spec = (num_new + computed).saturating_sub(r.num_tokens() + placeholders);
             if num_spec > 0 && !r.spec_token_ids.is_empty() {
                 let n = num_spec.min(r.spec_token_ids.len());
                 self.scratch.spec[s].extend_from_slice(&r.spec_token_ids[..n]);
@@ -529,6 +560,7 @@ impl Scheduler {
         self.kv.free(&mut r.blocks);
         r.status = RequestStatus::Preempted;
         r.num_computed_tokens = 0;
+        r.num_output_placeholders = 0;
         r.spec_token_ids.clear();
         r.is_prefill_chunk = false;
         r.num_preemptions += 1;
@@ -539,12 +571,30 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Phase B: waiting requests, strict FCFS (or priority) admission.
+    /// Phase B: waiting requests, strict FCFS (or priority) admission. A preempted request
+    /// whose stale output is still in flight is passed over and keeps its place.
     fn schedule_waiting(
         &mut self,
         budget: &mut usize,
         scheduled_order: &mut Vec<u32>,
         prefill_scheduled: bool,
+    ) -> CoreResult<()> {
+        let mut passed_over = Vec::new();
+        let result =
+            self.admit_waiting(budget, scheduled_order, prefill_scheduled, &mut passed_over);
+        for &slot in passed_over.iter().rev() {
+            let key = priority_key(self.store.get(slot)?);
+            self.waiting.push_front(slot, key);
+        }
+        result
+    }
+
+    fn admit_waiting(
+        &mut self,
+        budget: &mut usize,
+        scheduled_order: &mut Vec<u32>,
+        prefill_scheduled: bool,
+        passed_over: &mut Vec<u32>,
     ) -> CoreResult<()> {
         let threshold = self.config.long_prefill_token_threshold;
         let k = self.config.num_speculative_tokens;
@@ -554,6 +604,13 @@ impl Scheduler {
                 break;
             };
             let r = self.store.get(slot)?;
+            if r.status == RequestStatus::Preempted && r.num_in_flight_tokens > 0 {
+                // As vLLM 0.33: output of a step scheduled before its preemption is still to
+                // come; resuming now could recompute positions that output delivers later.
+                self.waiting.pop();
+                passed_over.push(slot);
+                continue;
+            }
             let computed_before_hits = r.num_computed_tokens;
             let hit_tokens = self
                 .kv
@@ -670,7 +727,10 @@ impl Scheduler {
             let generation = self.store.generation(slot);
             let r = self.store.get_mut(slot)?;
             r.num_computed_tokens += num_new;
-            r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens();
+            r.num_in_flight_tokens += num_new;
+            r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens() + r.num_output_placeholders;
+            out.num_output_placeholders
+                .push(r.num_output_placeholders as u32);
             total += num_new;
             out.slots.push(slot);
             out.kinds
@@ -693,7 +753,12 @@ impl Scheduler {
                 rank: self.scratch.rank[s],
                 num_spec_tokens: spec.len() as u32,
                 is_prefill_chunk: r.is_prefill_chunk,
+                num_scheduled: num_new as u32,
+                preemptions: r.num_preemptions,
             });
+            if self.config.async_scheduling && !r.is_prefill_chunk {
+                add_output_placeholders(r, spec.len(), self.config.num_speculative_tokens);
+            }
             self.scratch.scheduled[s] = 0;
             self.scratch.kind[s] = None;
         }
@@ -751,6 +816,15 @@ impl Scheduler {
     pub fn reset_prefix_cache(&mut self) -> bool {
         self.kv.reset_prefix_cache()
     }
+}
+
+/// Async scheduling, after `r` was scheduled in a step that samples: the step's sampled token
+/// and its `num_spec` drafts become output placeholders, and the next step gets `k`
+/// placeholder drafts (the runner proposes the real ones after this step is planned).
+fn add_output_placeholders(r: &mut Request, num_spec: usize, k: usize) {
+    r.num_output_placeholders += 1 + num_spec;
+    r.spec_token_ids.clear();
+    r.spec_token_ids.resize(k, PLACEHOLDER_TOKEN);
 }
 
 fn priority_key(r: &Request) -> PriorityKey {

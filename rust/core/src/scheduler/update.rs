@@ -61,6 +61,13 @@ impl Scheduler {
                     e.num_spec_tokens
                 ));
             }
+            if c == 0 && self.config.async_scheduling && !e.is_prefill_chunk {
+                // Its placeholders would never resolve.
+                return Err(invalid!(
+                    "request at batch index {i} finished its prefill or decoded in this step but \
+                     sampled no token (async scheduling counts on one)"
+                ));
+            }
         }
         let step = self
             .in_flight
@@ -79,14 +86,24 @@ impl Scheduler {
             let Some(r) = self.store.get_mut_if_current(e.slot, e.generation) else {
                 continue;
             };
+            r.num_in_flight_tokens = r
+                .num_in_flight_tokens
+                .saturating_sub(e.num_scheduled as usize);
+            // Scheduled before the request's latest preemption: the tokens are still delivered,
+            // but the counters they would adjust were reset (vLLM 0.33's stale output).
+            let stale = r.num_preemptions != e.preemptions;
             if r.is_finished() || sampled.is_empty() || e.is_prefill_chunk {
                 continue;
             }
             if e.num_spec_tokens > 0 {
                 let accepted = sampled.len() as u32 - 1;
                 let rejected = e.num_spec_tokens - accepted;
-                if r.num_computed_tokens > 0 {
-                    r.num_computed_tokens -= rejected as usize;
+                if !stale {
+                    if r.num_computed_tokens > 0 {
+                        r.num_computed_tokens -= rejected as usize;
+                    }
+                    r.num_output_placeholders =
+                        r.num_output_placeholders.saturating_sub(rejected as usize);
                 }
                 self.stats.num_drafts += 1;
                 self.stats.num_draft_tokens += e.num_spec_tokens as u64;
@@ -96,9 +113,17 @@ impl Scheduler {
                         *c += 1;
                     }
                 }
+                if let Some(c) = self
+                    .stats
+                    .num_drafts_by_count
+                    .get_mut(e.num_spec_tokens as usize)
+                {
+                    *c += 1;
+                }
             }
             let tokens_start = out.new_token_ids.len() as u32;
             let was_running = r.status == RequestStatus::Running;
+            let had_placeholders = r.num_output_placeholders > 0;
             let mut finish = None;
             let mut kept = 0;
             for &t in sampled {
@@ -111,8 +136,11 @@ impl Scheduler {
             }
             // Tokens after a stop are discarded; so is their claim to computed KV (vLLM trims
             // num_computed_tokens the same way before caching blocks).
-            r.num_computed_tokens -= (sampled.len() - kept).min(r.num_computed_tokens);
-            if cache_at_update && was_running {
+            if !stale {
+                r.num_computed_tokens -= (sampled.len() - kept).min(r.num_computed_tokens);
+                r.num_output_placeholders = r.num_output_placeholders.saturating_sub(sampled.len());
+            }
+            if (cache_at_update || had_placeholders) && was_running && !stale {
                 // As vLLM 0.33 does with speculative decoding: register the blocks that the
                 // accepted tokens filled now, not at the next allocation, so they stay
                 // cached if the request is preempted or finishes before that.
@@ -121,8 +149,8 @@ impl Scheduler {
                     block_hashes: &r.block_hashes,
                     extra: &r.spec.extra,
                 };
-                self.kv
-                    .cache_blocks(&mut r.blocks, seq, r.num_computed_tokens);
+                let done = r.num_computed_tokens.saturating_sub(r.num_in_flight_tokens);
+                self.kv.cache_blocks(&mut r.blocks, seq, done);
             }
             let stop_token = r.stop_token;
             out.updates.push(RequestUpdate {

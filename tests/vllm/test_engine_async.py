@@ -1,0 +1,212 @@
+"""The drop-in under vLLM's own async engine loop (``EngineCore.step_with_batch_queue``).
+
+With async scheduling (vLLM's default), ``EngineCore`` keeps ``max_concurrent_batches`` = 2
+steps in flight: it schedules step N+1 before it applies step N's output, and never hands the
+scheduler drafts (the model runner keeps them; the scheduler schedules placeholders). vLLM picks
+``AsyncScheduler`` for this; a custom ``--scheduler-cls`` gets only a warning that a class
+without its placeholder semantics loses async scheduling, and is used as is. These tests run
+vLLM's engine-loop code itself (an ``EngineCore`` with a fake executor) over ``AsyncScheduler``
+and over ``DFlashRsScheduler`` and require the same schedules and outputs, step by step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Optional
+
+import pytest
+
+# Not "vllm" alone: in the main venv this directory itself imports as a namespace package.
+pytest.importorskip(
+    "vllm.v1.core.sched.interface",
+    reason="vLLM 0.33 is not installed here; run these tests with scripts/vllm_env.sh",
+)
+
+from parity import EOS, FIRST_TOKEN, TraceParams, compare_outputs
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+from dflash_rs.vllm import DFlashRsScheduler
+
+OURS = "dflash_rs.vllm.DFlashRsScheduler"
+
+
+def _done(value: Any) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class FakeExecutor:
+    """The model runner as ``EngineCore`` drives it under async scheduling: ``execute_model``
+    then ``sample_tokens``, both returning futures. A request samples when the step reaches the
+    end of its prefill tokens (the V2 runner's ``prefill_token_ids``); its sampled tokens and how
+    many of its own drafts it accepts (the scheduler only saw placeholders) depend only on the
+    request id and how often it sampled, so two engines with equal schedules get equal outputs.
+    Padded admissions accept none of their placeholder drafts."""
+
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+        self.prefill_len: dict[str, int] = {}
+        self.num_samples: dict[str, int] = {}
+        self.pending: Optional[Any] = None
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = True) -> Future:
+        self.seen.append(scheduler_output)
+        for r in scheduler_output.scheduled_new_reqs:
+            self.prefill_len[r.req_id] = len(r.prefill_token_ids)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return _done(EMPTY_MODEL_RUNNER_OUTPUT)
+        self.pending = scheduler_output
+        return _done(None)
+
+    def sample_tokens(self, grammar_output: Any, non_block: bool = True) -> Future:
+        so, self.pending = self.pending, None
+        assert so is not None and grammar_output is None
+        computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        admitted = {r.req_id for r in so.scheduled_new_reqs}
+        req_ids = sorted(so.num_scheduled_tokens)
+        sampled = [self._sample(so, rid, computed[rid], rid in admitted) for rid in req_ids]
+        return _done(
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+            )
+        )
+
+    def _sample(self, so: Any, rid: str, computed: int, admitted: bool) -> list[int]:
+        if computed + so.num_scheduled_tokens[rid] < self.prefill_len[rid]:
+            return []  # a prefill chunk
+        i = self.num_samples.get(rid, 0)
+        self.num_samples[rid] = i + 1
+        h = int.from_bytes(hashlib.sha1(f"{rid}/{i}".encode()).digest()[:8], "little")
+        num_drafts = len(so.scheduled_spec_decode_tokens.get(rid, ()))
+        accepted = 0 if admitted else h % (num_drafts + 1)
+        tokens = [FIRST_TOKEN + (h >> (5 * j)) % 997 for j in range(accepted + 1)]
+        if (h >> 50) % 20 == 0:
+            tokens[-1] = EOS
+        return tokens
+
+    def take_draft_token_ids(self) -> None:
+        raise AssertionError("EngineCore asks for drafts only without async scheduling")
+
+
+def _engine(vllm_config: Any, scheduler: Any, executor: FakeExecutor) -> Any:
+    """An ``EngineCore`` without a model: the attributes its batch-queue step reads."""
+    engine = object.__new__(EngineCore)
+    engine.vllm_config = vllm_config
+    engine.log_stats = False
+    engine._weight_version = "default"
+    engine.model_executor = executor
+    engine.scheduler = scheduler
+    engine.batch_queue_size = vllm_config.max_concurrent_batches
+    engine.batch_queue = deque(maxlen=engine.batch_queue_size)
+    engine.is_mm_encoder_only = False
+    engine.is_pooling_model = False
+    engine.async_scheduling = True
+    engine.check_for_draft_tokens = vllm_config.speculative_config is not None
+    engine.aborts_queue = queue.Queue()
+    return engine
+
+
+def _norm(outputs: Optional[dict[int, Any]]) -> Any:
+    if outputs is None:
+        return None
+    return {
+        client: sorted(
+            (o.request_id, list(o.new_token_ids), o.finish_reason, o.stop_reason)
+            for o in eco.outputs
+        )
+        for client, eco in outputs.items()
+    }
+
+
+def _configs(offline: Any, method: str, num_blocks: int) -> tuple[Any, Any]:
+    saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    try:
+        speculative = {"disable_eagle_block_drop": True} if method == "eagle" else None
+        return offline.configs(
+            num_blocks=num_blocks,
+            method=method,
+            num_speculative_tokens=3,
+            max_model_len=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=128,
+            async_scheduling=True,
+            scheduler={"scheduler_cls": OURS},
+            speculative=speculative,
+        )
+    finally:
+        if saved is None:
+            del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
+
+
+def test_vllm_selects_the_drop_in_with_async_scheduling(offline: Any) -> None:
+    cfg, _ = _configs(offline, "dflash", 48)
+    assert cfg.scheduler_config.async_scheduling
+    assert cfg.scheduler_config.get_scheduler_cls() is DFlashRsScheduler
+    assert cfg.max_concurrent_batches == 2  # EngineCore keeps two steps in flight
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "eagle", "dflash"])
+def test_engine_async_loop_matches_async_scheduler(offline: Any, method: str) -> None:
+    """Requests arrive over time, share a prefix, preempt each other in a small pool and are
+    aborted while their steps are in flight; every step's SchedulerOutput and EngineCoreOutputs
+    agree with vLLM's AsyncScheduler under the same engine loop."""
+    cfg, kv = _configs(offline, method, 24)
+    hasher = offline.block_hasher(cfg)
+    vex, dex = FakeExecutor(), FakeExecutor()
+    ev = _engine(cfg, offline.scheduler(AsyncScheduler, cfg, kv), vex)
+    ed = _engine(cfg, offline.scheduler(DFlashRsScheduler, cfg, kv), dex)
+    p = TraceParams(seed=0, method=method, async_scheduling=True)
+    prefix = list(range(1000, 1040))
+    arrivals = {s: f"r{s}" for s in range(0, 60, 2)}
+    aborted: set[str] = set()
+    finished: set[str] = set()
+    for step in range(400):
+        if step in arrivals:
+            rid = arrivals[step]
+            n = 20 + (step * 37) % 90
+            prompt = (prefix if step % 2 else []) + [2000 + step * 7 + j for j in range(n)]
+            for engine, h in ((ev, hasher), (ed, None)):
+                req = offline.request(rid, prompt, 10 + step * 7 % 70, h, eos_token_id=EOS)
+                engine.scheduler.add_request(req)
+        if step in (25, 40, 41, 60) and ev.scheduler.running:
+            # A running request, so its latest step is in flight when the abort lands.
+            rid = ev.scheduler.running[-1].request_id
+            aborted.add(rid)
+            for engine in (ev, ed):
+                engine.aborts_queue.put([rid])
+        if not ev.scheduler.has_requests() and not ev.batch_queue:
+            assert not ed.scheduler.has_requests() and not ed.batch_queue
+            if step > max(arrivals):
+                break
+            continue
+        seen = len(vex.seen)
+        a, executed_v = ev.step_with_batch_queue()
+        b, executed_d = ed.step_with_batch_queue()
+        assert len(dex.seen) == len(vex.seen)
+        if len(vex.seen) > seen:
+            compare_outputs(p, step, vex.seen[-1], dex.seen[-1])
+        assert (_norm(b), executed_d) == (_norm(a), executed_v), step
+        ed.scheduler.core.check_invariants()
+        for eco in (a or {}).values():
+            finished |= {o.request_id for o in eco.outputs if o.finish_reason is not None}
+    assert not ev.scheduler.has_requests() and not ed.scheduler.has_requests()
+    assert ed.scheduler.core.get_num_unfinished_requests() == 0
+    assert len(finished) > 10
+    # The trace preempted requests and aborted some (those are reported only as finished ids).
+    assert sum(len(so.preempted_req_ids) for so in vex.seen) > 0
+    reported = set().union(*(so.finished_req_ids for so in vex.seen))
+    assert len(aborted) == 4 and aborted <= reported - finished
