@@ -100,8 +100,9 @@ struct StepScratch {
     computed_before: Vec<u32>,
     /// Prefix-cached blocks before this step's allocation, per slot.
     cached_before: Vec<u32>,
-    /// Draft tokens scheduled per slot.
-    spec: Vec<Vec<u32>>,
+    /// Draft tokens scheduled per slot: the first ones of the request's `spec_token_ids`,
+    /// which keep them until `finish_step` copies them out.
+    num_spec: Vec<u32>,
     /// Position in this step's scheduling order, per scheduled slot.
     rank: Vec<u32>,
     hits: Vec<u32>,
@@ -115,7 +116,7 @@ impl StepScratch {
             self.new_blocks_start.resize(num_slots, 0);
             self.computed_before.resize(num_slots, 0);
             self.cached_before.resize(num_slots, 0);
-            self.spec.resize(num_slots, Vec::new());
+            self.num_spec.resize(num_slots, 0);
             self.rank.resize(num_slots, 0);
         }
     }
@@ -125,7 +126,7 @@ impl StepScratch {
         if s < self.scheduled.len() {
             self.scheduled[s] = 0;
             self.kind[s] = None;
-            self.spec[s].clear();
+            self.num_spec[s] = 0;
         }
     }
 }
@@ -512,13 +513,9 @@ impl Scheduler {
             self.scratch.kind[s] = Some(EntryKind::Running);
             self.scratch.new_blocks_start[s] = first_new as u32;
             self.scratch.computed_before[s] = computed as u32;
-            self.scratch.spec[s].clear();
             let num_spec = (num_new + computed).saturating_sub(r.num_tokens() + placeholders);
-            if num_spec > 0 && !r.spec_token_ids.is_empty() {
-                let n = num_spec.min(r.spec_token_ids.len());
-                self.scratch.spec[s].extend_from_slice(&r.spec_token_ids[..n]);
-            }
-            r.spec_token_ids.clear();
+            r.spec_token_ids.truncate(num_spec);
+            self.scratch.num_spec[s] = r.spec_token_ids.len() as u32;
             prefill_scheduled |= r.is_prefill_chunk;
             scheduled_order.push(slot);
             *budget -= num_new;
@@ -686,10 +683,12 @@ impl Scheduler {
             self.scratch.kind[s] = Some(kind);
             self.scratch.new_blocks_start[s] = 0;
             self.scratch.computed_before[s] = hit_tokens as u32;
-            self.scratch.spec[s].clear();
+            let r = self.store.get_mut(slot)?;
+            r.spec_token_ids.clear();
             if pad {
-                self.scratch.spec[s].resize(k, PLACEHOLDER_TOKEN);
+                r.spec_token_ids.resize(k, PLACEHOLDER_TOKEN);
             }
+            self.scratch.num_spec[s] = r.spec_token_ids.len() as u32;
             scheduled_order.push(slot);
             *budget -= num_new;
         }
@@ -744,20 +743,25 @@ impl Scheduler {
             out.new_block_ids.extend_from_slice(new_blocks);
             out.num_new_blocks.push(new_blocks.len() as u32);
             out.generations.push(generation);
-            let spec = &self.scratch.spec[s];
+            let num_spec = self.scratch.num_spec[s] as usize;
+            let spec = r
+                .spec_token_ids
+                .get(..num_spec)
+                .ok_or_else(|| broken!("scheduled drafts of slot {slot} went missing"))?;
             out.spec_token_ids.extend_from_slice(spec);
-            out.num_spec_tokens.push(spec.len() as u32);
+            r.spec_token_ids.clear();
+            out.num_spec_tokens.push(num_spec as u32);
             entries.push(InFlightEntry {
                 slot,
                 generation,
                 rank: self.scratch.rank[s],
-                num_spec_tokens: spec.len() as u32,
+                num_spec_tokens: num_spec as u32,
                 is_prefill_chunk: r.is_prefill_chunk,
                 num_scheduled: num_new as u32,
                 preemptions: r.num_preemptions,
             });
             if self.config.async_scheduling && !r.is_prefill_chunk {
-                add_output_placeholders(r, spec.len(), self.config.num_speculative_tokens);
+                add_output_placeholders(r, num_spec, self.config.num_speculative_tokens);
             }
             self.scratch.scheduled[s] = 0;
             self.scratch.kind[s] = None;
