@@ -116,47 +116,20 @@ impl BlockHasher {
         } else {
             None
         };
-        match self.algo {
-            HashAlgo::Sha256 => {
-                let mut h = Sha256::new();
-                feed(
-                    |b| h.update(b),
-                    parent,
-                    tokens,
-                    extra.lora_name.as_deref(),
-                    salt,
-                );
-                h.finalize().into()
-            }
-            HashAlgo::Blake3 => {
-                let mut h = blake3::Hasher::new_keyed(&self.root);
-                feed(
-                    |b| {
-                        h.update(b);
-                    },
-                    parent,
-                    tokens,
-                    extra.lora_name.as_deref(),
-                    salt,
-                );
-                *h.finalize().as_bytes()
-            }
+        // One call over the whole encoding: the hashes' streaming states cost more than the
+        // hashing itself for a ~100-byte block.
+        let lora = extra.lora_name.as_deref();
+        with_encoding(parent, tokens, lora, salt, |bytes| match self.algo {
+            HashAlgo::Sha256 => Sha256::digest(bytes).into(),
+            HashAlgo::Blake3 => *blake3::keyed_hash(&self.root, bytes).as_bytes(),
             HashAlgo::Xxh3_128 => {
-                let mut h = xxhash_rust::xxh3::Xxh3::new();
-                feed(
-                    |b| h.update(b),
-                    parent,
-                    tokens,
-                    extra.lora_name.as_deref(),
-                    salt,
-                );
                 let mut out = [0u8; HASH_BYTES];
-                out[..16].copy_from_slice(&h.digest128().to_le_bytes());
+                out[..16].copy_from_slice(&xxhash_rust::xxh3::xxh3_128(bytes).to_le_bytes());
                 out
             }
             #[cfg(feature = "fault-injection")]
             HashAlgo::TestCollide => [0x5a; HASH_BYTES],
-        }
+        })
     }
 
     /// Appends the hashes of every full block of `tokens` not yet in `hashes`.
@@ -172,32 +145,49 @@ impl BlockHasher {
     }
 }
 
-/// Feeds the canonical encoding of one block to a hash state: parent, token count and tokens
-/// (u32 little endian), then tagged, length-prefixed extra keys.
-fn feed(
-    mut update: impl FnMut(&[u8]),
+/// Bytes a block's encoding keeps on the stack: parent, count and 64 tokens, with room for
+/// short extra keys (longer blocks or keys go through the heap).
+const INLINE_BLOCK_BYTES: usize = 384;
+
+/// Calls `hash` on the canonical encoding of one block: parent, token count and tokens (u32
+/// little endian), then tagged, length-prefixed extra keys.
+fn with_encoding<R>(
     parent: &BlockHash,
     tokens: &[u32],
     lora_name: Option<&str>,
     cache_salt: Option<&str>,
-) {
-    update(parent);
-    update(&(tokens.len() as u32).to_le_bytes());
-    // Tokens go through a stack buffer so the hash sees one contiguous run per chunk.
-    let mut buf = [0u8; 256];
-    for chunk in tokens.chunks(64) {
-        for (i, t) in chunk.iter().enumerate() {
-            buf[i * 4..i * 4 + 4].copy_from_slice(&t.to_le_bytes());
-        }
-        update(&buf[..chunk.len() * 4]);
+    hash: impl FnOnce(&[u8]) -> R,
+) -> R {
+    let extras = [(TAG_LORA, lora_name), (TAG_SALT, cache_salt)];
+    let extra_len: usize = extras
+        .iter()
+        .filter_map(|(_, v)| v.map(|v| 5 + v.len()))
+        .sum();
+    let len = HASH_BYTES + 4 + 4 * tokens.len() + extra_len;
+    let mut stack = [0u8; INLINE_BLOCK_BYTES];
+    let mut heap = Vec::new();
+    let buf: &mut [u8] = if len <= INLINE_BLOCK_BYTES {
+        &mut stack[..len]
+    } else {
+        heap.resize(len, 0);
+        &mut heap
+    };
+    buf[..HASH_BYTES].copy_from_slice(parent);
+    buf[HASH_BYTES..HASH_BYTES + 4].copy_from_slice(&(tokens.len() as u32).to_le_bytes());
+    let token_bytes = &mut buf[HASH_BYTES + 4..HASH_BYTES + 4 + 4 * tokens.len()];
+    for (dst, t) in token_bytes.chunks_exact_mut(4).zip(tokens) {
+        dst.copy_from_slice(&t.to_le_bytes());
     }
-    for (tag, value) in [(TAG_LORA, lora_name), (TAG_SALT, cache_salt)] {
+    let mut at = HASH_BYTES + 4 + 4 * tokens.len();
+    for (tag, value) in extras {
         if let Some(v) = value {
-            update(&[tag]);
-            update(&(v.len() as u32).to_le_bytes());
-            update(v.as_bytes());
+            buf[at] = tag;
+            buf[at + 1..at + 5].copy_from_slice(&(v.len() as u32).to_le_bytes());
+            buf[at + 5..at + 5 + v.len()].copy_from_slice(v.as_bytes());
+            at += 5 + v.len();
         }
     }
+    hash(buf)
 }
 
 #[cfg(test)]
@@ -288,5 +278,39 @@ mod tests {
             assert_eq!(HashAlgo::from_name(algo.name()).unwrap(), algo);
         }
         assert!(HashAlgo::from_name("md5").is_err());
+    }
+    /// The byte encoding (and so every hash) is fixed: hashes of the same prefix must agree
+    /// across versions of this crate, e.g. for engines that publish them as KV events.
+    #[test]
+    fn hashes_are_stable() {
+        let extra = ExtraKeys {
+            lora_name: Some("lora".into()),
+            cache_salt: Some("salt".into()),
+        };
+        let tokens: Vec<u32> = (0..40).map(|i| i * 7919 + 3).collect();
+        for algo in [HashAlgo::Sha256, HashAlgo::Blake3, HashAlgo::Xxh3_128] {
+            let h = BlockHasher::new(algo, 16, b"stable");
+            let mut v = Vec::new();
+            h.extend_hashes(&mut v, &tokens, &extra);
+            let hex: Vec<String> = v
+                .iter()
+                .map(|b| b.iter().map(|x| format!("{x:02x}")).collect())
+                .collect();
+            let expected: &[&str] = match algo {
+                HashAlgo::Sha256 => &[
+                    "a1ac949fde6debc54f6e54e6001034289564bee82cb29ffea90452e55e26da6c",
+                    "c817054df4d1ede8104959ed4b2dddad3ebd4c26d0dc6088b04bb47951066b3d",
+                ],
+                HashAlgo::Blake3 => &[
+                    "698de495bc999db8e2e7b61b0972ac10d988d99b85a42e2207a6161f4b3ee047",
+                    "64118e466e1c4ea2d92d9016359fc8cedac3848cc65d9c13256248fd567f98e5",
+                ],
+                _ => &[
+                    "0a7cfe0728d7b1e5aee88a164d75db0700000000000000000000000000000000",
+                    "185a19444d28a80fc19bd7544a34683c00000000000000000000000000000000",
+                ],
+            };
+            assert_eq!(hex, expected, "{}", algo.name());
+        }
     }
 }
