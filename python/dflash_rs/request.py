@@ -14,6 +14,7 @@ __all__ = ["ModelRunnerOutput", "Request"]
 
 _MAX_TOKEN_ID = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_now = time.time
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -51,32 +52,41 @@ class Request:
     cache_salt: Optional[str] = None
 
     def __post_init__(self) -> None:
+        # Each check takes its fast path (exact types, in range) first and the full check,
+        # with its message, only when that fails: a Request is made per admission.
         if not isinstance(self.request_id, str) or not self.request_id:
             raise InvalidArgumentError("request_id must be a non-empty string")
-        _check_int("max_tokens", self.max_tokens, 1)
-        _check_int("min_tokens", self.min_tokens, 0)
-        _check_int("priority", self.priority, _INT64_MIN)
-        if not isinstance(self.ignore_eos, bool):
+        value = self.max_tokens
+        if type(value) is not int or not 1 <= value <= _INT64_MAX:
+            _check_int("max_tokens", value, 1)
+        value = self.min_tokens
+        if type(value) is not int or not 0 <= value <= _INT64_MAX:
+            _check_int("min_tokens", value, 0)
+        value = self.priority
+        if type(value) is not int or not _INT64_MIN <= value <= _INT64_MAX:
+            _check_int("priority", value, _INT64_MIN)
+        if self.ignore_eos is not False and self.ignore_eos is not True:
             raise InvalidArgumentError(
                 f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}"
             )
         if self.eos_token_id is not None:
             _check_token("eos_token_id", self.eos_token_id)
-        self.stop_token_ids = tuple(self.stop_token_ids)
-        for t in self.stop_token_ids:
+        stop = self.stop_token_ids = tuple(self.stop_token_ids)
+        for t in stop:
             _check_token("stop_token_ids[...]", t)
-        if self.arrival_time is None:
-            self.arrival_time = time.time()
-        elif isinstance(self.arrival_time, bool) or not isinstance(self.arrival_time, numbers.Real):
+        arrival = self.arrival_time
+        if arrival is None:
+            self.arrival_time = _now()
+        elif isinstance(arrival, bool) or not isinstance(arrival, numbers.Real):
             raise InvalidArgumentError(
-                f"arrival_time must be a number or None, got {type(self.arrival_time).__name__}"
+                f"arrival_time must be a number or None, got {type(arrival).__name__}"
             )
-        elif not math.isfinite(self.arrival_time):
-            raise InvalidArgumentError(f"arrival_time must be finite, got {self.arrival_time}")
-        for name in ("lora_name", "cache_salt"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise InvalidArgumentError(f"{name} must be a str or None")
+        elif not math.isfinite(arrival):
+            raise InvalidArgumentError(f"arrival_time must be finite, got {arrival}")
+        if self.lora_name is not None and not isinstance(self.lora_name, str):
+            raise InvalidArgumentError("lora_name must be a str or None")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidArgumentError("cache_salt must be a str or None")
 
 
 @dataclass

@@ -4,7 +4,8 @@
 
 use dflash_core::{CoreError, EntryKind, FinishReason, Scheduler, StepOutput, UpdateOutput};
 use numpy::ndarray::{ArrayView1, ArrayView2};
-use numpy::{PyArray1, PyArray2};
+use numpy::{PyArray1, PyArray2, PyUntypedArrayMethods};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString};
 
@@ -129,10 +130,14 @@ impl State {
             let view = ArrayView1::from(&table.counts()[..n]);
             PyArray1::borrow_from_array(&view, container)
         };
-        for arr in [block_table.as_any(), counts.as_any()] {
-            let kwargs = PyDict::new(py);
-            kwargs.set_item("write", false)?;
-            arr.call_method("setflags", (), Some(&kwargs))?;
+        // Read-only views, as `setflags(write=False)` makes them (numpy's PyArray_CLEARFLAGS),
+        // without a Python method call per array per step.
+        // SAFETY: both are live arrays this function just created and nothing else has seen;
+        // clearing WRITEABLE only restricts what Python may do with them.
+        unsafe {
+            (*block_table.as_array_ptr()).fields.flags &=
+                !numpy::npyffi::flags::NPY_ARRAY_WRITEABLE;
+            (*counts.as_array_ptr()).fields.flags &= !numpy::npyffi::flags::NPY_ARRAY_WRITEABLE;
         }
         let new_reqs = PyList::empty(py);
         let mut kinds = Vec::with_capacity(n);
@@ -197,13 +202,16 @@ impl State {
         py: Python<'_>,
         runner: &Bound<'_, PyAny>,
     ) -> PyResult<(Vec<u32>, Vec<u32>)> {
-        let flat = runner.getattr("sampled_tokens_flat")?;
+        let flat = runner.getattr(intern!(py, "sampled_tokens_flat"))?;
         if !flat.is_none() {
             let tokens = token_ids(&flat, "sampled_tokens_flat")?;
-            let counts = token_ids(&runner.getattr("num_sampled_tokens")?, "num_sampled_tokens")?;
+            let counts = token_ids(
+                &runner.getattr(intern!(py, "num_sampled_tokens"))?,
+                "num_sampled_tokens",
+            )?;
             return Ok((tokens, counts));
         }
-        let lists = runner.getattr("sampled_token_ids")?;
+        let lists = runner.getattr(intern!(py, "sampled_token_ids"))?;
         let mut tokens = Vec::new();
         let mut counts = Vec::new();
         for (i, item) in lists
@@ -617,7 +625,7 @@ impl PyScheduler {
         build: impl FnOnce(&State) -> PyResult<R>,
     ) -> PyResult<R> {
         let out = output.get();
-        let runner_ids = runner_output.getattr("req_ids").map_err(|_| {
+        let runner_ids = runner_output.getattr(intern!(py, "req_ids")).map_err(|_| {
             invalid(
                 py,
                 "runner_output must be a ModelRunnerOutput (it has no req_ids)",
@@ -625,7 +633,7 @@ impl PyScheduler {
         })?;
         State::check_req_ids(py, out, &runner_ids)?;
         let (tokens, counts) = State::sampled_from_runner(py, runner_output)?;
-        let drafts = runner_output.getattr("draft_token_ids")?;
+        let drafts = runner_output.getattr(intern!(py, "draft_token_ids"))?;
         let draft_lists: Option<Vec<Vec<u32>>> = if drafts.is_none() {
             None
         } else {

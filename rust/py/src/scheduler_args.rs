@@ -2,7 +2,9 @@
 
 use dflash_core::lookahead::{LookaheadPolicy, SpecMethod};
 use dflash_core::{ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec, SchedulerConfig};
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::types::PyString;
 
 use crate::convert::{int_named, non_negative, token_ids, Int};
 use crate::errors::{invalid, IntoPyResult};
@@ -98,20 +100,20 @@ fn opt_token(py: Python<'_>, what: &str, v: Option<Int>) -> PyResult<Option<u32>
     .transpose()
 }
 
-pub fn request_spec(req: &Bound<'_, PyAny>) -> PyResult<RequestSpec> {
+pub fn request_spec<'py>(req: &Bound<'py, PyAny>) -> PyResult<RequestSpec> {
     let py = req.py();
-    let get = |name: &str| {
+    let get = |name: &Bound<'py, PyString>| -> PyResult<Bound<'py, PyAny>> {
         req.getattr(name)
-            .map_err(|_| invalid(py, format!("request has no attribute {name:?}")))
+            .map_err(|_| invalid(py, format!("request has no attribute \"{name}\"")))
     };
-    let request_id: String = get("request_id")?
+    let request_id: String = get(intern!(py, "request_id"))?
         .extract()
         .map_err(|_| invalid(py, "request_id must be a str"))?;
-    let prompt = token_ids(&get("prompt_token_ids")?, "prompt_token_ids")?;
-    let max_tokens = int_named(&get("max_tokens")?, "max_tokens")?;
-    let min_tokens = int_named(&get("min_tokens")?, "min_tokens")?;
-    let stop = token_ids(&get("stop_token_ids")?, "stop_token_ids")?;
-    let arrival = get("arrival_time")?;
+    let prompt = token_ids(&get(intern!(py, "prompt_token_ids"))?, "prompt_token_ids")?;
+    let max_tokens = int_named(&get(intern!(py, "max_tokens"))?, "max_tokens")?;
+    let min_tokens = int_named(&get(intern!(py, "min_tokens"))?, "min_tokens")?;
+    let stop = token_ids(&get(intern!(py, "stop_token_ids"))?, "stop_token_ids")?;
+    let arrival = get(intern!(py, "arrival_time"))?;
     let arrival_time: f64 = if arrival.is_none() {
         0.0
     } else {
@@ -122,20 +124,20 @@ pub fn request_spec(req: &Bound<'_, PyAny>) -> PyResult<RequestSpec> {
         prompt_token_ids: prompt,
         max_tokens: non_negative(py, "max_tokens", max_tokens)?,
         eos_token_id: {
-            let eos = get("eos_token_id")?;
+            let eos = get(intern!(py, "eos_token_id"))?;
             let eos = (!eos.is_none())
                 .then(|| int_named(&eos, "eos_token_id").map(Int))
                 .transpose()?;
             opt_token(py, "eos_token_id", eos)?
         },
         stop_token_ids: stop,
-        ignore_eos: get("ignore_eos")?.extract()?,
+        ignore_eos: get(intern!(py, "ignore_eos"))?.extract()?,
         min_tokens: non_negative(py, "min_tokens", min_tokens)?,
-        priority: int_named(&get("priority")?, "priority")?,
+        priority: int_named(&get(intern!(py, "priority"))?, "priority")?,
         arrival_time,
         extra: ExtraKeys {
-            lora_name: get("lora_name")?.extract()?,
-            cache_salt: get("cache_salt")?.extract()?,
+            lora_name: get(intern!(py, "lora_name"))?.extract()?,
+            cache_salt: get(intern!(py, "cache_salt"))?.extract()?,
         },
     })
 }
