@@ -47,62 +47,72 @@ impl FinishReason {
 }
 
 /// What the engine submits.
+///
+/// Laid out in declaration order (`repr(C)`): the stop rules, read for every sampled token,
+/// come first.
 #[derive(Debug, Clone, Default)]
+#[repr(C)]
 pub struct RequestSpec {
-    /// Unique id.
-    pub request_id: String,
-    /// Prompt token ids.
-    pub prompt_token_ids: Vec<u32>,
     /// Maximum output tokens.
     pub max_tokens: usize,
-    /// EOS token, if the model has one.
-    pub eos_token_id: Option<u32>,
-    /// Tokens that stop generation (reported as the stop reason).
-    pub stop_token_ids: Vec<u32>,
-    /// Keep generating past EOS.
-    pub ignore_eos: bool,
     /// No EOS/stop-token stop before this many output tokens.
     pub min_tokens: usize,
+    /// EOS token, if the model has one.
+    pub eos_token_id: Option<u32>,
+    /// Keep generating past EOS.
+    pub ignore_eos: bool,
+    /// Tokens that stop generation (reported as the stop reason).
+    pub stop_token_ids: Vec<u32>,
+    /// Prompt token ids.
+    pub prompt_token_ids: Vec<u32>,
+    /// LoRA adapter and cache salt, mixed into block hashes.
+    pub extra: ExtraKeys,
+    /// Unique id.
+    pub request_id: String,
     /// Lower value = more important (priority policy).
     pub priority: i64,
     /// Arrival time in seconds (priority tie-break).
     pub arrival_time: f64,
-    /// LoRA adapter and cache salt, mixed into block hashes.
-    pub extra: ExtraKeys,
 }
 
 /// A request inside the scheduler.
+///
+/// Fields are laid out in declaration order (`repr(C)`), hottest first: what every step reads
+/// and writes shares the first cache lines, the stop rules follow, and what only admission or
+/// the API reads comes last. A step touches every running request, so lines per request are
+/// what a step costs once the engine's own work has evicted them.
 #[derive(Debug, Clone)]
+#[repr(C)]
 pub struct Request {
-    /// What was submitted.
-    pub spec: RequestSpec,
-    /// Prompt followed by accepted output tokens.
-    pub tokens: Vec<u32>,
-    /// Hashes of every full block of `tokens` (empty when caching is off).
-    pub block_hashes: Vec<BlockHash>,
     /// Lifecycle state.
     pub status: RequestStatus,
+    /// Set at schedule time: the step ends before the known tokens, so its sample is discarded.
+    pub is_prefill_chunk: bool,
+    /// Times this request was preempted.
+    pub num_preemptions: u32,
+    /// Stop reason token when finished by a stop token.
+    pub stop_token: Option<u32>,
+    /// Tokens whose KV is computed (or being computed by the step in flight).
+    pub num_computed_tokens: usize,
     /// Async scheduling: tokens the steps in flight will add (one sampled token plus the
     /// scheduled drafts per step), already counted in `num_computed_tokens`.
     pub num_output_placeholders: usize,
     /// Tokens scheduled in steps whose output is not applied yet (including steps scheduled
     /// before a preemption, whose output is stale).
     pub num_in_flight_tokens: usize,
-    /// Tokens whose KV is computed (or being computed by the step in flight).
-    pub num_computed_tokens: usize,
+    /// Prompt followed by accepted output tokens.
+    pub tokens: Vec<u32>,
+    /// Hashes of every full block of `tokens` (empty when caching is off).
+    pub block_hashes: Vec<BlockHash>,
+    /// Blocks held.
+    pub blocks: RequestBlocks,
     /// Draft tokens proposed for the next step, inline up to [`INLINE_DRAFTS`] so a step reads
     /// them from the request itself, not from one more heap line per request.
     pub spec_token_ids: SmallVec<[u32; INLINE_DRAFTS]>,
-    /// Blocks held.
-    pub blocks: RequestBlocks,
-    /// Set at schedule time: the step ends before the known tokens, so its sample is discarded.
-    pub is_prefill_chunk: bool,
-    /// Times this request was preempted.
-    pub num_preemptions: u32,
+    /// What was submitted.
+    pub spec: RequestSpec,
     /// Submission order (FCFS and priority tie-break).
     pub arrival_seq: u64,
-    /// Stop reason token when finished by a stop token.
-    pub stop_token: Option<u32>,
 }
 
 impl Request {

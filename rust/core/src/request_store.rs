@@ -6,12 +6,14 @@ use hashbrown::HashMap;
 use crate::error::{broken, CoreError, CoreResult};
 use crate::request::Request;
 
+/// `repr(C)`: the generation and row sit right before the request's hot first fields.
 #[derive(Debug, Clone, Default)]
+#[repr(C)]
 struct Slot {
     generation: u32,
-    request: Option<Request>,
     /// Block-table row while the request is running.
     row: Option<u32>,
+    request: Option<Request>,
 }
 
 /// Slab of live requests.
