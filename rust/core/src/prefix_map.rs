@@ -8,7 +8,8 @@
 //! hundreds of thousands of blocks): the hash map is keyed by the hash's first 4 bytes and holds
 //! only the first and last block of the chain of blocks under that key, 12 bytes a bucket (a
 //! pool of 250,000 blocks needs 6 MB, which stays in cache where 32-byte keys did not). The
-//! chain is doubly linked through per-block `next`/`prev` arrays in insertion order, so
+//! chain is doubly linked through per-block links (next, previous, and the key, so evicting
+//! a block reads one 12-byte entry before the map) in insertion order, so
 //! registering and evicting a block cost O(1) even when hundreds of requests computed the same
 //! prefix block, and every lookup compares the full 32-byte hash kept per block: a key
 //! collision costs a longer walk, never a wrong answer.
@@ -40,6 +41,23 @@ fn key_of(hash: &BlockHash) -> u32 {
     u32::from_le_bytes(k)
 }
 
+/// A block's place in its key's chain, and the key (so evicting a block reads one line).
+#[derive(Debug, Clone, Copy)]
+struct Link {
+    /// Next block in the chain, [`END`], or [`UNREGISTERED`].
+    next: u32,
+    /// Previous block in the chain, or [`END`] (stale when unregistered).
+    prev: u32,
+    /// The map key of the block's hash (stale when unregistered).
+    key: u32,
+}
+
+const UNLINKED: Link = Link {
+    next: UNREGISTERED,
+    prev: END,
+    key: 0,
+};
+
 /// First and last block of a key's chain.
 #[derive(Debug, Clone, Copy)]
 struct Chain {
@@ -54,10 +72,8 @@ pub struct PrefixMap {
     chains: HashMap<u32, Chain>,
     /// The hash each registered block carries (stale for unregistered blocks).
     hashes: Vec<BlockHash>,
-    /// Next block in the chain of the same key, [`END`], or [`UNREGISTERED`].
-    next: Vec<u32>,
-    /// Previous block in the chain of the same key, or [`END`] (stale when unregistered).
-    prev: Vec<u32>,
+    /// Each block's chain links.
+    links: Vec<Link>,
     num_blocks: usize,
 }
 
@@ -76,8 +92,7 @@ impl PrefixMap {
         Ok(Self {
             chains,
             hashes: try_filled_vec(num_blocks, [0; 32], "prefix-cache block hashes")?,
-            next: try_filled_vec(num_blocks, UNREGISTERED, "prefix-cache chains")?,
-            prev: try_filled_vec(num_blocks, END, "prefix-cache chains")?,
+            links: try_filled_vec(num_blocks, UNLINKED, "prefix-cache chains")?,
             num_blocks: 0,
         })
     }
@@ -89,9 +104,9 @@ impl PrefixMap {
 
     /// Whether `block` is registered (under any hash).
     pub fn is_registered(&self, block: u32) -> bool {
-        self.next
+        self.links
             .get(block as usize)
-            .is_some_and(|&n| n != UNREGISTERED)
+            .is_some_and(|l| l.next != UNREGISTERED)
     }
 
     /// The hash `block` is registered under.
@@ -106,7 +121,7 @@ impl PrefixMap {
         std::iter::from_fn(move || {
             while cur != END {
                 let b = cur;
-                cur = self.next[b as usize];
+                cur = self.links[b as usize].next;
                 if self.hashes[b as usize] == *hash {
                     return Some(b);
                 }
@@ -133,24 +148,29 @@ impl PrefixMap {
             return false;
         }
         let b = block as usize;
+        let key = key_of(&hash);
         self.hashes[b] = hash;
-        self.next[b] = END;
         self.num_blocks += 1;
-        match self.chains.entry(key_of(&hash)) {
+        let prev = match self.chains.entry(key) {
             Entry::Vacant(e) => {
-                self.prev[b] = END;
                 e.insert(Chain {
                     first: block,
                     last: block,
                 });
+                END
             }
             Entry::Occupied(mut e) => {
                 let chain = e.get_mut();
-                self.prev[b] = chain.last;
-                self.next[chain.last as usize] = block;
-                chain.last = block;
+                let last = std::mem::replace(&mut chain.last, block);
+                self.links[last as usize].next = block;
+                last
             }
-        }
+        };
+        self.links[b] = Link {
+            next: END,
+            prev,
+            key,
+        };
         true
     }
 
@@ -160,19 +180,20 @@ impl PrefixMap {
             return None;
         }
         let b = block as usize;
-        let hash = self.hashes[b];
-        let (before, after) = (self.prev[b], self.next[b]);
-        self.next[b] = UNREGISTERED;
-        self.prev[b] = END;
+        let Link {
+            next: after,
+            prev: before,
+            key,
+        } = std::mem::replace(&mut self.links[b], UNLINKED);
         self.num_blocks -= 1;
         if before != END {
-            self.next[before as usize] = after;
+            self.links[before as usize].next = after;
         }
         if after != END {
-            self.prev[after as usize] = before;
+            self.links[after as usize].prev = before;
         }
         if before == END || after == END {
-            if let Entry::Occupied(mut e) = self.chains.entry(key_of(&hash)) {
+            if let Entry::Occupied(mut e) = self.chains.entry(key) {
                 if before == END && after == END {
                     e.remove();
                 } else if before == END {
@@ -184,7 +205,7 @@ impl PrefixMap {
                 debug_assert!(false, "registered block {block} has no chain");
             }
         }
-        Some(hash)
+        Some(self.hashes[b])
     }
 
     /// Removes `block` from `hash`'s registrations; returns whether it was there.
@@ -195,8 +216,7 @@ impl PrefixMap {
     /// Forgets every registration.
     pub fn clear(&mut self) {
         self.chains.clear();
-        self.next.iter_mut().for_each(|n| *n = UNREGISTERED);
-        self.prev.iter_mut().for_each(|p| *p = END);
+        self.links.iter_mut().for_each(|l| *l = UNLINKED);
         self.num_blocks = 0;
     }
 
@@ -207,7 +227,7 @@ impl PrefixMap {
             std::iter::from_fn(move || {
                 (cur != END && cur != UNREGISTERED).then(|| {
                     let b = cur;
-                    cur = self.next[b as usize];
+                    cur = self.links[b as usize].next;
                     (&self.hashes[b as usize], b)
                 })
             })
@@ -223,10 +243,10 @@ impl PrefixMap {
             let mut cur = chain.first;
             while cur != END {
                 let b = cur as usize;
-                if cur == UNREGISTERED || b >= self.next.len() || self.next[b] == UNREGISTERED {
+                let Some(link) = self.links.get(b).filter(|l| l.next != UNREGISTERED) else {
                     return Err(broken!("prefix map chain reaches an unregistered block"));
-                }
-                if key_of(&self.hashes[b]) != key || self.prev[b] != before {
+                };
+                if key_of(&self.hashes[b]) != key || link.key != key || link.prev != before {
                     return Err(broken!("prefix map chain is inconsistent at block {cur}"));
                 }
                 reached += 1;
@@ -234,13 +254,13 @@ impl PrefixMap {
                     return Err(broken!("prefix map chains loop or repeat a block"));
                 }
                 before = cur;
-                cur = self.next[b];
+                cur = link.next;
             }
             if before != chain.last {
                 return Err(broken!("prefix map chain of key {key:#x} ends elsewhere"));
             }
         }
-        let registered = self.next.iter().filter(|&&n| n != UNREGISTERED).count();
+        let registered = self.links.iter().filter(|l| l.next != UNREGISTERED).count();
         if reached != self.num_blocks || registered != self.num_blocks {
             return Err(broken!(
                 "prefix map counts {} registrations, chains reach {reached}, blocks carry {registered}",
