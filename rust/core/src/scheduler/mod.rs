@@ -1,9 +1,9 @@
 //! The continuous-batching scheduler (vLLM 0.33 semantics, one full-attention group).
 //!
 //! Each `schedule()` first tops up running requests (preempting when the pool is short), then,
-//! if nothing was preempted, admits waiting requests (unless paused: `pause.rs`). Every allocation reserves the lookahead
-//! the speculative method needs ([`crate::lookahead`]), so every position the target or the
-//! drafter writes in the step lies in a block the request owns.
+//! if nothing was preempted, admits waiting requests (unless paused: `pause.rs`). Every
+//! allocation reserves the lookahead the speculative method needs ([`crate::lookahead`]), so
+//! every position the target or the drafter writes in the step lies in a block the request owns.
 //!
 //! With `async_scheduling` (vLLM's `AsyncScheduler`), a step may be scheduled before the
 //! previous one's output is applied: each scheduled request that samples counts its coming
