@@ -2,7 +2,9 @@
 
 Rules: admit requests (shared prefixes, salts, LoRA names, priorities), schedule, apply a model
 output with random acceptance (lists or ``ModelRunnerOutput.from_arrays``), install drafts,
-abort live ids (in flight too), reset the prefix cache, and bad calls that must raise a typed
+abort live ids (in flight too), reset the prefix cache (also preempting the running requests,
+whose output in flight is then dropped), preempt all running requests, pause (``paused_new``:
+no admission, ``paused_all``: nothing scheduled) and unpause, and bad calls that must raise a typed
 ``dflash_rs.errors`` class and change nothing. The configuration (method, K, block size, pool,
 chunked prefill, policy) is drawn per example.
 
@@ -169,6 +171,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.submitted: Set[str] = set()
         self.pending: Optional[Any] = None  # scheduled, output not applied yet
         self.aborted_in_flight: Set[str] = set()
+        #: Requests preempted by a reset while the pending step holds them: no output.
+        self.dropped_in_flight: Set[str] = set()
         self.applied: List[Any] = []  # non-empty outputs already applied
         self.steps = 0
 
@@ -252,7 +256,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.do_apply(choice)
 
     def do_schedule(self) -> None:
-        had_work = self.s.has_unfinished_requests()
+        had_work = {
+            "unpaused": self.s.has_unfinished_requests(),
+            "paused_new": bool(self.s.running_request_ids()),
+            "paused_all": False,
+        }[self.s.pause_state]
         out = self.s.schedule()
         self.steps += 1
         self.tracker.on_schedule(out)
@@ -271,6 +279,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert bool(out.req_ids) == had_work, (out.req_ids, had_work)
         self.pending = out
         self.aborted_in_flight = set()
+        self.dropped_in_flight = set()
         self.count("steps")
         self.count("preemptions", len(out.preempted_req_ids))
         self.count("prefix_hits", sum(r.num_computed_tokens > 0 for r in out.scheduled_new_reqs))
@@ -292,7 +301,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             del self.applied[:-8]
         if choice.chunk_token:  # the scheduler discards a prefill chunk's token
             sampled = [[] if c else s for c, s in zip(out.is_prefill_chunk, sampled)]
-        self.tracker.on_update(self.s, out, sampled, results, before, self.aborted_in_flight)
+        no_output = self.aborted_in_flight | self.dropped_in_flight
+        self.tracker.on_update(self.s, out, sampled, results, before, no_output)
+        for rid in self.dropped_in_flight - self.aborted_in_flight:
+            assert self.s.all_token_ids(rid) == before[rid], rid
         for r in results:
             if r.finished:
                 self.live.discard(r.request_id)
@@ -369,6 +381,44 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.count("prefix_cache_resets", int(ok))
 
     @rule(data=st.data())
+    def reset_running(self, data: Any) -> None:
+        """Sometimes reset_prefix_cache(reset_running_requests=True): every running request is
+        preempted (last first) and the pending step's output for them is dropped."""
+        if data.draw(st.integers(0, 2), label="skip reset with running") != 0:
+            return
+        running = self.s.running_request_ids()
+        assert self.s.reset_prefix_cache(reset_running_requests=True) is True
+        assert self.s.running_request_ids() == []
+        if self.cfg.policy == "fcfs":
+            assert self.s.waiting_request_ids()[: len(running)] == running
+        assert self.s.num_free_blocks == self.cfg.num_blocks - 1
+        for rid in running:
+            assert self.s.request_status(rid) == "preempted"
+            assert self.s.num_computed_tokens(rid) == 0
+        if self.pending is not None:
+            dropped = set(running) & set(self.pending.req_ids)
+            self.dropped_in_flight |= dropped
+            self.count("dropped_in_flight", len(dropped))
+        self.count("resets_with_running", int(bool(running)))
+
+    @precondition(lambda self: self.pending is None)
+    @rule(data=st.data())
+    def preempt_all(self, data: Any) -> None:
+        """Sometimes preempt_all_running(drop_stale_outputs=False) (nothing in flight)."""
+        if data.draw(st.integers(0, 3), label="skip preempt all") != 0:
+            return
+        running = self.s.running_request_ids()
+        assert self.s.preempt_all_running(drop_stale_outputs=False) == running[::-1]
+        assert self.s.running_request_ids() == []
+        self.count("preempt_all", len(running))
+
+    @rule(state=st.sampled_from(["unpaused", "unpaused", "unpaused", "paused_new", "paused_all"]))
+    def set_pause_state(self, state: str) -> None:
+        self.s.set_pause_state(state)
+        assert self.s.pause_state == state
+        self.count(f"pause:{state}")
+
+    @rule(data=st.data())
     def bad_call(self, data: Any) -> None:
         """A call that must raise a typed error and leave every observable state as it was."""
         self.check_bad_call(data, self.bad_calls(random.Random(data.draw(SEEDS))))
@@ -420,6 +470,21 @@ class SchedulerMachine(RuleBasedStateMachine):
                 lambda: s.finish_requests(sorted(self.live)[:1], status="bogus"),
                 InvalidArgumentError,
                 "unknown finish status",
+            ),
+            "reset_running_requests not a bool": BadCall(
+                lambda: s.reset_prefix_cache(reset_running_requests=1),
+                InvalidArgumentError,
+                "must be a bool",
+            ),
+            "drop_stale_outputs not a bool": BadCall(
+                lambda: s.preempt_all_running(drop_stale_outputs="no"),
+                InvalidArgumentError,
+                "must be a bool",
+            ),
+            "unknown pause state": BadCall(
+                lambda: s.set_pause_state("paused"),
+                InvalidArgumentError,
+                "pause state must be",
             ),
             "negative draft": BadCall(
                 lambda: s.update_draft_token_ids({rng.choice(gone): [1, -2]}),
@@ -572,6 +637,11 @@ def test_scheduler_state_machine() -> None:
         "aborted_in_flight",
         "finished_by_output",
         "prefix_cache_resets",
+        "resets_with_running",
+        "dropped_in_flight",
+        "preempt_all",
+        "pause:paused_new",
+        "pause:paused_all",
     ):
         assert SEEN[what] > 0, (what, SEEN)
     # Which bad calls get drawn varies from run to run; require a spread of them, not each one.

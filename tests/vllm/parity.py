@@ -16,6 +16,12 @@ With ``async_scheduling`` the trace follows vLLM's engine loop for async schedul
 (``EngineCore.step_with_batch_queue`` with two batches): step N+1 is scheduled before the output
 of step N is applied, the scheduled drafts are placeholders (``-1``) whose real values only the
 model runner knows, and the runner never reports drafts to the scheduler.
+
+With ``reset_prob``/``pause_prob`` the trace also calls, at seeded steps and between two engine
+steps (where the engine runs its utility calls, so under async scheduling with steps in flight),
+``reset_prefix_cache`` (mostly with ``reset_running_requests=True``) and ``set_pause_state``
+(toggling between ``UNPAUSED`` and the states in ``pause_states``). These draws come from a
+separate generator, so traces without them are unchanged.
 """
 
 from __future__ import annotations
@@ -68,6 +74,12 @@ class TraceParams:
     #: Async only: chance that a step's placeholder drafts are rewritten with the runner's
     #: (``update_draft_token_ids_in_output``), some of them too short (padded with -1).
     rewrite_drafts_prob: float = 0.0
+    #: Chance per step of a ``reset_prefix_cache`` call (3 in 4 with reset_running_requests).
+    reset_prob: float = 0.0
+    #: Chance per step of a pause-state change: from UNPAUSED to one of ``pause_states``, or
+    #: back to UNPAUSED. The engine waits for a resume, so a trace resumes when it would idle.
+    pause_prob: float = 0.0
+    pause_states: tuple[str, ...] = ("PAUSED_NEW",)
     #: Known dflash-rs divergences (see KNOWN_DIVERGENCES) to neutralise on the vLLM side.
     emulate: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
@@ -101,6 +113,16 @@ class TraceResult:
     stale_outputs: int = 0
     #: Async: steps whose placeholder drafts were rewritten before their output.
     draft_rewrites: int = 0
+    #: reset_prefix_cache calls, and requests they preempted.
+    resets: int = 0
+    reset_preempted: int = 0
+    #: Outputs dropped because a reset preempted their request while they were in flight.
+    dropped_outputs: int = 0
+    #: Pause-state changes; steps scheduled under PAUSED_NEW while requests waited (held back);
+    #: steps scheduled under PAUSED_ALL.
+    pause_changes: int = 0
+    held_back_steps: int = 0
+    paused_all_steps: int = 0
 
 
 def _fail(p: TraceParams, step: int, what: str, ours: Any, vllm: Any) -> Divergence:
@@ -222,6 +244,7 @@ class Lockstep:
                 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
         self.rng = np.random.default_rng(p.seed)
         self.order_rng = np.random.default_rng(p.seed + 10_000)  # keeps self.rng's draws
+        self.event_rng = np.random.default_rng(p.seed + 20_000)  # resets and pauses
         self.prefix = self.rng.integers(FIRST_TOKEN, VOCAB, p.prefix_len).tolist()
         self.next_id = 0
         self.res = TraceResult()
@@ -332,11 +355,13 @@ class Lockstep:
         for step in range(1, p.max_steps + 1):
             res.steps = step
             self._arrivals_and_aborts(step)
+            self._pause_and_reset(step)
             self._compare_state(step, "before schedule")
             if not self.vllm.has_requests() and not self.ours.has_requests():
-                if self.next_id >= p.num_requests:
+                if self.next_id >= p.num_requests and not self._resume_if_paused(step):
                     break
                 continue
+            self._account_pause()
             sv = self.vllm.schedule()
             sd = self.ours.schedule()
             compare_outputs(p, step, sv, sd)
@@ -377,6 +402,51 @@ class Lockstep:
                 raise _fail(p, step, "finish_requests", b, a)
             self.res.aborted += len(a)
 
+    def _set_pause(self, step: int, name: str) -> None:
+        from vllm.v1.core.sched.interface import PauseState
+
+        state = PauseState[name]
+        self.vllm.set_pause_state(state)
+        self.ours.set_pause_state(state)
+        if self.ours.pause_state != self.vllm.pause_state:
+            raise _fail(self.p, step, "pause_state", self.ours.pause_state, self.vllm.pause_state)
+        self.res.pause_changes += 1
+
+    def _pause_and_reset(self, step: int) -> None:
+        """Maybe a pause-state change, maybe a reset_prefix_cache (on both), compared."""
+        p, rng = self.p, self.event_rng
+        if not (p.pause_prob or p.reset_prob):
+            return
+        if rng.random() < p.pause_prob:
+            if self.vllm.pause_state.name == "UNPAUSED":
+                self._set_pause(step, p.pause_states[int(rng.integers(0, len(p.pause_states)))])
+            else:
+                self._set_pause(step, "UNPAUSED")
+        if rng.random() < p.reset_prob:
+            preempt = bool(rng.random() < 0.75)
+            running = self.vllm.get_request_counts()[0]
+            a = self.vllm.reset_prefix_cache(reset_running_requests=preempt)
+            b = self.ours.reset_prefix_cache(reset_running_requests=preempt)
+            if a != b:
+                raise _fail(p, step, f"reset_prefix_cache({preempt})", b, a)
+            self.res.resets += 1
+            self.res.reset_preempted += running if preempt else 0
+            self.ours.core.check_invariants()
+            self._compare_state(step, "after reset_prefix_cache")
+
+    def _resume_if_paused(self, step: int) -> bool:
+        """The trace would idle with requests held back by a pause: resume (the engine would
+        wait for a resume call). Whether it did."""
+        if self.vllm.pause_state.name == "UNPAUSED" or not self.vllm.requests:
+            return False
+        self._set_pause(step, "UNPAUSED")
+        return True
+
+    def _account_pause(self) -> None:
+        state = self.vllm.pause_state.name
+        self.res.held_back_steps += state == "PAUSED_NEW" and bool(self.vllm.waiting)
+        self.res.paused_all_steps += state == "PAUSED_ALL"
+
     def _apply(self, step: int, sv: Any, sd: Any, mro: Any) -> None:
         """update_from_output on both with the same runner output; compares what they return."""
         ov = self.vllm.update_from_output(sv, copy.deepcopy(mro))
@@ -406,8 +476,10 @@ class Lockstep:
         for step in range(1, p.max_steps + 1):
             res.steps = step
             self._arrivals_and_aborts(step)
+            self._pause_and_reset(step)
             self._compare_state(step, "before schedule")
             if self.vllm.has_requests():
+                self._account_pause()
                 sv = self.vllm.schedule()
                 sd = self.ours.schedule()
                 compare_outputs(p, step, sv, sd)
@@ -423,17 +495,19 @@ class Lockstep:
                 if len(queue) < p.batch_queue_size and (executed or self.vllm.has_requests()):
                     continue
             elif not queue:
-                if self.next_id >= p.num_requests:
+                if self.next_id >= p.num_requests and not self._resume_if_paused(step):
                     break
                 continue
             sv, sd, plan = queue.popleft()
             rewritten = self._maybe_rewrite_drafts(step, sv, sd)
             res.draft_rewrites += bool(rewritten)
-            res.stale_outputs += sum(
-                1
+            stale = [
+                self.vllm.requests[rid]
                 for rid in sv.num_scheduled_tokens
                 if rid in self.vllm.requests and self.vllm.requests[rid].num_stale_output_tokens
-            )
+            ]
+            res.stale_outputs += len(stale)
+            res.dropped_outputs += sum(r.drop_stale_output for r in stale)
             self._apply(step, sv, sd, self._async_runner_output(sv, plan, rewritten))
             self.ours.core.check_invariants()
             self._compare_state(step, "after update")
@@ -593,6 +667,7 @@ class Lockstep:
                 s.num_running_reqs,
                 s.num_waiting_reqs + s.num_skipped_waiting_reqs,
                 round(s.kv_cache_usage, 9),
+                s.prefix_cache_stats.reset,
                 None
                 if sd is None
                 else (

@@ -122,15 +122,32 @@ def test_pause_states(scheduler: Any, offline: Any) -> None:
     scheduler.add_request(offline.request("b", [21] * 20, 10))
     scheduler.set_pause_state(PauseState.PAUSED_ALL)
     assert scheduler.pause_state == PauseState.PAUSED_ALL
+    assert scheduler.core.pause_state == "paused_all"
     assert scheduler.get_num_unfinished_requests() == 0 and not scheduler.has_requests()
-    out, outs = _step(scheduler)
-    assert (out.total_num_scheduled_tokens == 0 and not outs.get(0, None)) or True
+    out, _ = _step(scheduler)
+    assert out.total_num_scheduled_tokens == 0 and out.num_scheduled_tokens == {}
     scheduler.set_pause_state(PauseState.PAUSED_NEW)
     assert scheduler.get_num_unfinished_requests() == 1  # running only
+    out, _ = _step(scheduler)
+    assert set(out.num_scheduled_tokens) == {"a"}  # b is not admitted
     scheduler.set_pause_state(PauseState.UNPAUSED)
     assert scheduler.get_num_unfinished_requests() == 2
     out, _ = _step(scheduler)
     assert set(out.num_scheduled_tokens) == {"a", "b"}
+
+
+def test_paused_all_still_reports_finished_requests(scheduler: Any, offline: Any) -> None:
+    """As vLLM 0.33: an abort under PAUSED_ALL makes has_finished_requests() True, so the
+    engine runs a step that schedules nothing and carries the finished id to the workers."""
+    scheduler.add_request(offline.request("a", [20] * 20, 10))
+    scheduler.add_request(offline.request("b", [21] * 20, 10))
+    _step(scheduler)
+    scheduler.set_pause_state(PauseState.PAUSED_ALL)
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert scheduler.has_finished_requests() and scheduler.has_requests()
+    out, _ = _step(scheduler)
+    assert out.finished_req_ids == {"a"} and out.total_num_scheduled_tokens == 0
+    assert not scheduler.has_requests()
 
 
 def test_output_of_another_step_is_refused(scheduler: Any, offline: Any) -> None:
@@ -190,9 +207,50 @@ def test_prompt_larger_than_the_pool_is_refused(make_scheduler: Any, offline: An
 def test_reset_prefix_cache(scheduler: Any, offline: Any) -> None:
     assert scheduler.reset_prefix_cache()
     scheduler.add_request(offline.request("a", [20] * 20, 10))
+    scheduler.add_request(offline.request("b", [21] * 20, 10))
     _step(scheduler)
-    assert not scheduler.reset_prefix_cache(reset_running_requests=True)
-    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.reset_prefix_cache()  # blocks are held
+    assert scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    assert scheduler.get_kv_cache_usage() == 0.0
+    assert scheduler.get_request_counts() == (0, 2)
+    for rid in "ab":
+        req = scheduler.requests[rid]
+        assert req.status == RequestStatus.PREEMPTED
+        assert (req.num_preemptions, req.num_computed_tokens) == (1, 0)
+        assert [e.type for e in req.events][-1] == EngineCoreEventType.PREEMPTED
+    assert scheduler.core.waiting_request_ids() == ["a", "b"]
+    out, outs = _step(scheduler)
+    assert out.preempted_req_ids == {"a", "b"}
+    assert outs[0].scheduler_stats.prefix_cache_stats.reset
+    for rid in "ab":
+        assert scheduler.requests[rid].status == RequestStatus.RUNNING
+        assert scheduler.requests[rid].num_preemptions == 1  # counted once
+    _, outs = _step(scheduler)
+    assert not outs[0].scheduler_stats.prefix_cache_stats.reset
+    scheduler.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
     assert scheduler.reset_prefix_cache()
     scheduler.reset_encoder_cache()
     assert scheduler.get_kv_cache_usage() == 0.0
+
+
+def test_reset_with_a_step_in_flight_drops_its_output(make_scheduler: Any, offline: Any) -> None:
+    """Async scheduling: the output of a step scheduled before the reset yields nothing for
+    the preempted requests (vLLM's drop_stale_output), which resume at once."""
+    s = make_scheduler(method="dflash", num_speculative_tokens=3, async_scheduling=True)
+    s.add_request(offline.request("a", [20] * 20, 50))
+    first = s.schedule()
+    s.update_from_output(first, _runner(first))
+    pending = s.schedule()
+    s.core.check_invariants()
+    assert s.reset_prefix_cache(reset_running_requests=True)
+    resumed = s.schedule()
+    assert resumed.preempted_req_ids == {"a"}
+    assert [r.req_id for r in resumed.scheduled_new_reqs] == ["a"]
+    mro = ModelRunnerOutput(["a"], {"a": 0}, sampled_token_ids=[[41, 42]])
+    outs = s.update_from_output(pending, mro)
+    assert not any(eco.outputs for eco in outs.values())
+    assert outs[0].scheduler_stats.spec_decoding_stats is None  # no draft was verified
+    s.core.check_invariants()
+    outs = s.update_from_output(resumed, _runner(resumed, 43))
+    assert [o.new_token_ids for o in outs[0].outputs] == [[43]]
+    assert s.core.all_token_ids("a") == [20] * 20 + [40, 43]

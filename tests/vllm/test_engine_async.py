@@ -28,6 +28,7 @@ pytest.importorskip(
 
 from parity import EOS, FIRST_TOKEN, TraceParams, compare_outputs
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
@@ -210,3 +211,90 @@ def test_engine_async_loop_matches_async_scheduler(offline: Any, method: str) ->
     assert sum(len(so.preempted_req_ids) for so in vex.seen) > 0
     reported = set().union(*(so.finished_req_ids for so in vex.seen))
     assert len(aborted) == 4 and aborted <= reported - finished
+
+
+class PausingExecutor(FakeExecutor):
+    """What ``EngineCore.pause_scheduler`` also calls on the executor (no-ops here)."""
+
+    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        assert method == "synchronize_device"
+        return []
+
+    def reset_mm_cache(self) -> None:
+        pass
+
+    def reset_encoder_cache(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
+@pytest.mark.parametrize("method", ["none", "dflash"])
+def test_engine_pause_and_resume_match_async_scheduler(
+    offline: Any, method: str, mode: str
+) -> None:
+    """``EngineCore.pause_scheduler(mode, clear_cache=True)`` with steps in flight, then
+    ``resume_scheduler()``, twice: "keep" sets PAUSED_ALL and resets the prefix cache preempting
+    the running requests (their outputs in flight are dropped); "wait" (``EngineCoreProc``'s:
+    PAUSED_NEW, keep stepping until the running requests drain, then reset) and "abort" (abort
+    everything, PAUSED_NEW, reset). Requests keep arriving while paused. Every step agrees with
+    vLLM's AsyncScheduler under the same loop."""
+    cfg, kv = _configs(offline, method, 48)
+    hasher = offline.block_hasher(cfg)
+    vex, dex = PausingExecutor(), PausingExecutor()
+    ev = _engine(cfg, offline.scheduler(AsyncScheduler, cfg, kv), vex)
+    ed = _engine(cfg, offline.scheduler(DFlashRsScheduler, cfg, kv), dex)
+    for engine in (ev, ed):
+        engine.mm_receiver_cache = None
+    p = TraceParams(seed=0, method=method, async_scheduling=True)
+    prefix = list(range(1000, 1040))
+    arrivals = {s: f"r{s}" for s in range(0, 90, 3)}
+    pauses, resumes = {20, 60}, {35, 75}
+    draining: set[Any] = set()
+    held_back = 0
+    for step in range(400):
+        if step in arrivals:
+            rid = arrivals[step]
+            n = 20 + (step * 37) % 90
+            prompt = (prefix if step % 2 else []) + [2000 + step * 7 + j for j in range(n)]
+            for engine, h in ((ev, hasher), (ed, None)):
+                req = offline.request(rid, prompt, 10 + step * 7 % 70, h, eos_token_id=EOS)
+                engine.scheduler.add_request(req)
+        if step in pauses:
+            assert ev.batch_queue, "a step is in flight when the pause lands"
+            for engine in (ev, ed):
+                if mode == "wait":  # EngineCoreProc: finished once the engine is idle
+                    engine.scheduler.set_pause_state(PauseState.PAUSED_NEW)
+                    draining.add(engine)
+                else:
+                    engine.pause_scheduler(mode=mode, clear_cache=True)
+            assert ev.scheduler.get_request_counts() == ed.scheduler.get_request_counts()
+            assert ed.scheduler.get_request_counts()[0] == 0 or mode == "wait"
+        for engine in [e for e in (ev, ed) if e in draining]:
+            if not engine.scheduler.has_requests() and not engine.batch_queue:
+                engine._finish_pause(clear_cache=True)
+                draining.discard(engine)
+        if step in resumes:
+            for engine in (ev, ed):
+                engine.resume_scheduler()
+            draining.clear()
+        assert ed.is_scheduler_paused() == ev.is_scheduler_paused()
+        if not ev.scheduler.has_requests() and not ev.batch_queue:
+            assert not ed.scheduler.has_requests() and not ed.batch_queue
+            if step > max(arrivals | dict.fromkeys(resumes)):
+                break
+            continue
+        seen = len(vex.seen)
+        a, executed_v = ev.step_with_batch_queue()
+        b, executed_d = ed.step_with_batch_queue()
+        assert len(dex.seen) == len(vex.seen)
+        if len(vex.seen) > seen:
+            compare_outputs(p, step, vex.seen[-1], dex.seen[-1])
+            paused_new = ev.scheduler.pause_state == PauseState.PAUSED_NEW
+            held_back += paused_new and bool(ev.scheduler.get_request_counts()[1])
+        assert (_norm(b), executed_d) == (_norm(a), executed_v), step
+        ed.scheduler.core.check_invariants()
+    assert not ev.scheduler.has_requests() and not ed.scheduler.has_requests()
+    if mode == "keep":  # the resets preempted running requests
+        assert set().union(*(so.preempted_req_ids for so in vex.seen))
+    if mode == "wait":  # requests queued while the running ones drained
+        assert held_back > 0

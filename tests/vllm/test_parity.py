@@ -62,6 +62,9 @@ class Case(NamedTuple):
     in_flight: int = 0
     #: Pool size (None: the trace default, 48 blocks of 16).
     num_blocks: Optional[int] = None
+    #: "+"-joined engine calls between steps at seeded steps: "reset" (reset_prefix_cache,
+    #: mostly with reset_running_requests=True), "new" / "all" (toggle PAUSED_NEW / PAUSED_ALL).
+    events: str = ""
 
     @property
     def id(self) -> str:
@@ -70,10 +73,12 @@ class Case(NamedTuple):
         v1 = "-v1" if self.v1_runner else ""
         mode = f"-async{self.in_flight}" if self.in_flight else ""
         pool = f"-pool{self.num_blocks}" if self.num_blocks else ""
-        return f"{self.method}{k}-{self.policy}{v1}{mode}{budget}{pool}-seed{self.seed}"
+        events = f"-{self.events}" if self.events else ""
+        return f"{self.method}{k}-{self.policy}{v1}{mode}{budget}{pool}{events}-seed{self.seed}"
 
 
 _SMALL_POOL = (("none", 0), ("ngram", 3), ("dflash", 3))
+_METHODS = (("none", 0), ("ngram", 3), ("eagle", 3), ("dflash", 3))
 
 _CASES: list[Case] = [
     *(Case("none", 0, seed=s) for s in range(6)),
@@ -107,6 +112,31 @@ _ASYNC_CASES: list[Case] = [
     Case("dflash", 3, "priority", seed=0, in_flight=3, num_blocks=24),
 ]
 
+#: Resets with running requests and pause states at seeded steps, between engine steps (so, under
+#: async scheduling, with two or three steps in flight whose outputs the reset drops).
+_EVENT_CASES: list[Case] = [
+    *(Case(m, k, seed=s, events="reset+new") for m, k in _METHODS for s in range(2)),
+    *(Case(m, k, seed=2, events="reset+all") for m, k in (("none", 0), ("dflash", 3))),
+    Case("dflash", 3, "priority", seed=0, events="reset+new"),
+    Case("dflash", 3, v1_runner=True, seed=0, events="reset+new+all"),
+    *(Case(m, k, seed=s, in_flight=2, events="reset+new") for m, k in _METHODS for s in range(2)),
+    *(Case(m, k, seed=2, in_flight=2, events="reset+all") for m, k in (("none", 0), ("dflash", 3))),
+    Case("dflash", 3, "priority", seed=0, in_flight=2, events="reset+new"),
+    Case("dflash", 3, v1_runner=True, seed=0, in_flight=2, events="reset+new+all"),
+    Case("dflash", 8, seed=0, in_flight=2, events="reset+new"),
+    *(Case(m, k, seed=0, in_flight=2, num_blocks=24, events="reset+new") for m, k in _SMALL_POOL),
+    *(Case("dflash", 3, seed=s, in_flight=3, events="reset+new+all") for s in range(2)),
+    Case("none", 0, seed=0, in_flight=3, events="reset"),
+    # Pauses alone, and resets alone.
+    *(
+        Case(m, k, seed=4, events=e)
+        for m, k in (("none", 0), ("dflash", 3))
+        for e in ("new", "all")
+    ),
+    *(Case(m, k, seed=4, in_flight=2, events=e) for m, k in _SMALL_POOL for e in ("new", "all")),
+    *(Case(m, k, seed=4, in_flight=i, events="reset") for m, k in (("eagle", 3),) for i in (0, 2)),
+]
+
 #: Cases that diverge today: first diverging step and field, and the known divergences that
 #: explain them. Empty since the core fixed "cache-at-update", "free-order", "pad-admission" and
 #: "stop-trim" (21 cases diverged before).
@@ -123,6 +153,14 @@ def _params(case: Case, emulate: tuple[str, ...] = ()) -> TraceParams:
     if case.in_flight:
         extra.update(async_scheduling=True, batch_queue_size=case.in_flight)
         extra["rewrite_drafts_prob"] = 0.2
+    events = set(case.events.split("+")) - {""}
+    if "reset" in events:
+        extra["reset_prob"] = 0.04
+    pauses = tuple(
+        name for e, name in (("new", "PAUSED_NEW"), ("all", "PAUSED_ALL")) if e in events
+    )
+    if pauses:
+        extra.update(pause_prob=0.06, pause_states=pauses)
     return TraceParams(
         seed=case.seed,
         method=case.method,
@@ -144,7 +182,7 @@ def _with_marks(case: Case) -> Any:
     return pytest.param(case, id=case.id, marks=(mark,))
 
 
-@pytest.mark.parametrize("case", [_with_marks(c) for c in _CASES + _ASYNC_CASES])
+@pytest.mark.parametrize("case", [_with_marks(c) for c in _CASES + _ASYNC_CASES + _EVENT_CASES])
 def test_parity(offline: Any, case: Case) -> None:
     try:
         res = Lockstep(offline, _params(case)).run()
@@ -180,4 +218,28 @@ def test_async_traces_exercise_the_hard_paths(offline: Any) -> None:
         # Two steps in flight of 1 + K placeholders each (three with a queue of three).
         assert res.max_placeholders == in_flight * (1 + 3)
         assert res.finished > 0 and res.max_running > 1
+    assert all(v > 0 for v in totals.values()), totals
+
+
+def test_reset_and_pause_traces_exercise_the_hard_paths(offline: Any) -> None:
+    """The event traces reset with running requests (under async scheduling with steps in
+    flight, whose outputs vLLM then drops), hold waiting requests back under PAUSED_NEW, and run
+    steps under PAUSED_ALL; the requests still finish."""
+    totals = {
+        "resets": 0,
+        "reset_preempted": 0,
+        "dropped_outputs": 0,
+        "held_back_steps": 0,
+        "paused_all_steps": 0,
+        "resumed": 0,
+    }
+    for case in (
+        Case("dflash", 3, seed=0, events="reset+new"),
+        Case("dflash", 3, seed=0, in_flight=2, events="reset+new+all"),
+        Case("dflash", 3, seed=1, in_flight=3, events="reset+new+all"),
+    ):
+        res = Lockstep(offline, _params(case)).run()
+        assert res.finished > 0 and res.resets > 0 and res.pause_changes > 0, (case, res)
+        for key in totals:
+            totals[key] += getattr(res, key)
     assert all(v > 0 for v in totals.values()), totals

@@ -50,23 +50,22 @@ class OutputBuilder:
         #: Ids scheduled in the previous step (V1 model runner: `all_token_ids` goes to the
         #: requests that were not).
         self.prev_scheduled: Any = set()
+        #: Requests preempted between steps (reset_prefix_cache), already marked preempted;
+        #: the next step reports them.
+        self.preempted_between_steps: set[str] = set()
         #: Requests that finished in the last engine_outputs call.
         self.num_finished = 0
-
-    def empty(self) -> Any:
-        """A step that schedules nothing (paused)."""
-        out = self.SchedulerOutput.make_empty()
-        out.preempted_req_ids = set()
-        out.num_spec_tokens_to_schedule = self.num_spec_tokens
-        return out
 
     def scheduler_output(self, core: Any, out: Any, now: float) -> Any:
         """vLLM's ``SchedulerOutput`` for the dflash-rs step ``out``; updates the bookkeeping
         of admitted and preempted requests."""
         book = self.book
         requests = book.requests
+        early = self.preempted_between_steps
         for rid in out.preempted_req_ids:
-            book.preempted(rid, now)
+            if rid not in early:
+                book.preempted(rid, now)
+        early.clear()
         new_reqs: list[Any] = []
         resumed_reqs: list[Any] = []
         for nd in out.scheduled_new_reqs:

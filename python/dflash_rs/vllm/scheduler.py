@@ -40,6 +40,13 @@ __all__ = ["DFlashRsScheduler"]
 
 logger = logging.getLogger(__name__)
 
+#: vLLM's pause states -> the core's (which gates admission and scheduling the same way).
+_CORE_PAUSE = {
+    PauseState.UNPAUSED: "unpaused",
+    PauseState.PAUSED_NEW: "paused_new",
+    PauseState.PAUSED_ALL: "paused_all",
+}
+
 _STATUS_NAMES = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -99,6 +106,8 @@ class DFlashRsScheduler(SchedulerInterface):
         #: The latest dflash-rs step (drafts in its batch order take the array path).
         self._last_core_out: Any = None
         self._prefix_snapshot = (0, 0, 0)
+        #: A prefix-cache reset since the last stats (vLLM's ``PrefixCacheStats.reset``).
+        self._prefix_reset = False
         zeros = [0] * self.num_spec_tokens
         self._spec_snapshot: tuple[int, int, int, list[int], list[int]] = (0, 0, 0, zeros, zeros)
 
@@ -168,12 +177,9 @@ class DFlashRsScheduler(SchedulerInterface):
         return self._core.get_num_unfinished_requests()
 
     def has_finished_requests(self) -> bool:
-        if self._error_outputs:
-            return True
-        if self._pause_state == PauseState.PAUSED_ALL:
-            # Their ids reach the workers with the first step after the pause.
-            return False
-        return self._num_finished_unreported > 0
+        # Also under PAUSED_ALL, as in vLLM: the engine then runs a step that schedules nothing
+        # and carries the finished ids to the workers.
+        return bool(self._error_outputs) or self._num_finished_unreported > 0
 
     def get_request_counts(self) -> tuple[int, int]:
         return self._core.get_request_counts()
@@ -182,11 +188,9 @@ class DFlashRsScheduler(SchedulerInterface):
 
     def schedule(self, throttle_prefills: bool = False) -> Any:
         # throttle_prefills is only ever True with prefill_schedule_interval > 1 (refused).
+        # The core follows the pause state: PAUSED_NEW admits nobody, PAUSED_ALL schedules
+        # nothing (the step still reports finished and preempted ids).
         now = time.monotonic()
-        if self._pause_state == PauseState.PAUSED_ALL:
-            out = self._out.empty()
-            self._in_flight.append((out, None))
-            return out
         core_out = self._core.schedule()
         self._last_core_out = core_out
         self._num_finished_unreported = 0  # the step reports every id finished so far
@@ -289,18 +293,33 @@ class DFlashRsScheduler(SchedulerInterface):
 
     def set_pause_state(self, pause_state: PauseState) -> None:
         logger.info("setting pause state to %s", pause_state.name)
+        self._core.set_pause_state(_CORE_PAUSE[pause_state])
         self._pause_state = pause_state
 
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
-        if reset_running_requests and self._core.get_request_counts()[0] > 0:
-            logger.warning(
-                "dflash-rs cannot preempt running requests to reset the prefix cache yet; "
-                "the cache was not reset"
+        """As vLLM 0.33: with ``reset_running_requests`` every running request is preempted
+        first (last first, so they resume in their running order) and the output of their steps
+        in flight is dropped when it arrives; the reset then cannot fail. There is no connector
+        to reset (``reset_connector`` succeeds trivially, as in vLLM without one)."""
+        if reset_running_requests:
+            timestamp = time.monotonic()
+            preempted = self._core.preempt_all_running(drop_stale_outputs=True)
+            for rid in preempted:
+                self._book.preempted(rid, timestamp)
+            # Reported in the next SchedulerOutput.preempted_req_ids, already booked here.
+            self._out.preempted_between_steps.update(preempted)
+            # They are preempted and resumed between two steps: the V1 runner must get their
+            # tokens again (vLLM clears prev_step_scheduled_req_ids).
+            self._out.prev_scheduled = set()
+        ok = self._core.reset_prefix_cache()
+        if reset_running_requests and not ok:
+            raise RuntimeError(
+                "dflash-rs: failed to reset the prefix cache with every running request preempted"
             )
-            return False
-        return self._core.reset_prefix_cache()
+        self._prefix_reset |= ok and self.log_stats
+        return ok
 
     def reset_encoder_cache(self) -> None:
         """No encoder cache: multimodal models are refused."""
@@ -317,8 +336,12 @@ class DFlashRsScheduler(SchedulerInterface):
         old = self._prefix_snapshot
         self._prefix_snapshot = prefix
         prefix_stats = PrefixCacheStats(
-            requests=prefix[0] - old[0], queries=prefix[1] - old[1], hits=prefix[2] - old[2]
+            reset=self._prefix_reset,
+            requests=prefix[0] - old[0],
+            queries=prefix[1] - old[1],
+            hits=prefix[2] - old[2],
         )
+        self._prefix_reset = False
         spec_stats = None
         if core_out is not None and self.num_spec_tokens:
             spec_stats = self._spec_stats(s, invalid)

@@ -38,6 +38,10 @@ pub const FAULT_POINTS: &[(&str, &str)] = &[
         "add_request.begin",
         "Scheduler::add_request, before any state changes",
     ),
+    (
+        "preempt_all.begin",
+        "Scheduler::preempt_all_running, before any state changes",
+    ),
 ];
 
 #[cfg(feature = "fault-injection")]

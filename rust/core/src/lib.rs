@@ -33,4 +33,4 @@ pub use lookahead::{LookaheadPolicy, SpecMethod};
 pub use output::{EntryKind, RequestUpdate, StepOutput, UpdateOutput};
 pub use queue::Policy;
 pub use request::{FinishReason, RequestSpec, RequestStatus};
-pub use scheduler::{Scheduler, SchedulerStats};
+pub use scheduler::{PauseState, Scheduler, SchedulerStats};

@@ -138,6 +138,24 @@ pub fn positive(py: Python<'_>, what: &str, value: impl Into<i64>) -> PyResult<u
     }
 }
 
+/// A flag that must be a Python bool (not an int or any other truthy object).
+pub fn strict_bool(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<bool> {
+    match obj.cast::<PyBool>() {
+        Ok(b) => Ok(b.is_true()),
+        Err(_) => {
+            let type_name = obj
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_else(|_| "?".to_owned());
+            Err(invalid(
+                obj.py(),
+                format!("{what} must be a bool, got {type_name}"),
+            ))
+        }
+    }
+}
+
 /// A request id: a non-empty string.
 pub fn request_id(py: Python<'_>, id: &str) -> PyResult<()> {
     if id.is_empty() {

@@ -2,14 +2,16 @@
 //! flat arrays. Request ids are interned once per request, so a step creates no Python string
 //! and no Python object per block.
 
-use dflash_core::{CoreError, EntryKind, FinishReason, Scheduler, StepOutput, UpdateOutput};
+use dflash_core::{
+    CoreError, EntryKind, FinishReason, PauseState, Scheduler, StepOutput, UpdateOutput,
+};
 use numpy::ndarray::{ArrayView1, ArrayView2};
 use numpy::{PyArray1, PyArray2, PyUntypedArrayMethods};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString};
 
-use crate::convert::token_ids;
+use crate::convert::{strict_bool, token_ids};
 use crate::errors::{invalid, to_py, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::outputs::{
@@ -467,9 +469,77 @@ impl PyScheduler {
         })
     }
 
-    /// Empties the prefix cache; False while any block is held.
-    fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<bool> {
-        self.state.with(py, |st| Ok(st.inner.reset_prefix_cache()))
+    /// Empties the prefix cache; False while any block is held. With
+    /// `reset_running_requests=True` every running request is first preempted as by
+    /// `preempt_all_running(drop_stale_outputs=True)`, so the reset always succeeds (vLLM 0.33).
+    #[pyo3(
+        signature = (reset_running_requests=None),
+        text_signature = "(self, reset_running_requests=False)"
+    )]
+    fn reset_prefix_cache(
+        &self,
+        py: Python<'_>,
+        reset_running_requests: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let preempt = match reset_running_requests {
+            Some(flag) => strict_bool(flag, "reset_running_requests")?,
+            None => false,
+        };
+        if !preempt {
+            return self.state.with(py, |st| Ok(st.inner.reset_prefix_cache()));
+        }
+        self.state.with(py, |st| {
+            st.inner.reset_prefix_cache_preempting_running().py(py)?;
+            Ok(true)
+        })
+    }
+
+    /// Preempts every running request, last first, so they head the waiting queue in running
+    /// order; returns their ids in preemption order (the next step also reports them in
+    /// `preempted_req_ids`). With `drop_stale_outputs`, the output of their steps already
+    /// scheduled is dropped when it arrives (no tokens, no stats) and they may resume in the
+    /// next step; otherwise it is delivered as for any preemption, and they resume after it.
+    #[pyo3(signature = (*, drop_stale_outputs))]
+    fn preempt_all_running(
+        &self,
+        py: Python<'_>,
+        drop_stale_outputs: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<Py<PyString>>> {
+        let drop = strict_bool(drop_stale_outputs, "drop_stale_outputs")?;
+        self.state.with(py, |st| {
+            let ids = st.inner.preempt_all_running(drop).py(py)?;
+            ids.iter()
+                .map(|id| {
+                    let slot = st
+                        .inner
+                        .slot_of(id)
+                        .ok_or_else(|| to_py(py, CoreError::Invariant(format!("{id} vanished"))))?;
+                    st.id_of(py, slot)
+                })
+                .collect()
+        })
+    }
+
+    /// What `schedule()` may schedule: "unpaused", "paused_new" (running requests only, no
+    /// admission) or "paused_all" (nothing; steps still report finished and preempted ids).
+    #[getter]
+    fn pause_state(&self, py: Python<'_>) -> PyResult<&'static str> {
+        self.state.with(py, |st| Ok(st.inner.pause_state().name()))
+    }
+
+    /// Sets the pause state (see `pause_state`); takes effect at the next `schedule()`.
+    fn set_pause_state(&self, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<()> {
+        let name: String = state.extract().map_err(|_| {
+            invalid(
+                py,
+                "pause state must be \"unpaused\", \"paused_new\" or \"paused_all\"",
+            )
+        })?;
+        let pause = PauseState::from_name(&name).py(py)?;
+        self.state.with(py, |st| {
+            st.inner.set_pause_state(pause);
+            Ok(())
+        })
     }
 
     /// Blocks held by a live request.

@@ -94,17 +94,51 @@ impl Scheduler {
 
     /// Each live request's in-flight token count is what its steps awaiting output scheduled;
     /// its placeholders are 0 unless it runs in async mode, and never exceed that count.
+    /// Output marked to be dropped is counted, stale, and a prefix of the request's output in
+    /// flight (all of it for a preempted request, or none).
     fn check_in_flight(&self) -> CoreResult<()> {
         let mut in_flight = vec![0usize; self.store.capacity()];
+        let mut dropped = vec![false; self.store.capacity()];
+        let mut delivered = vec![false; self.store.capacity()];
+        let mut num_dropped = 0;
         for step in &self.in_flight {
             for e in &step.entries {
-                if self.store.slot_of_generation(e.slot) == Some(e.generation) {
-                    in_flight[e.slot as usize] += e.num_scheduled as usize;
+                num_dropped += usize::from(e.drop_output);
+                if self.store.slot_of_generation(e.slot) != Some(e.generation) {
+                    continue;
+                }
+                let s = e.slot as usize;
+                in_flight[s] += e.num_scheduled as usize;
+                if !e.drop_output {
+                    delivered[s] = true;
+                    continue;
+                }
+                dropped[s] = true;
+                let r = self.store.get(e.slot)?;
+                if delivered[s] || r.num_preemptions == e.preemptions {
+                    return Err(broken!(
+                        "request {:?}: output of step {} to drop is not stale or follows output \
+                         to deliver",
+                        r.spec.request_id,
+                        step.step_id
+                    ));
                 }
             }
         }
+        if num_dropped != self.num_dropped_in_flight {
+            return Err(broken!(
+                "{num_dropped} entries in flight are to be dropped but {} are counted",
+                self.num_dropped_in_flight
+            ));
+        }
         for (slot, r) in self.store.iter() {
             let id = &r.spec.request_id;
+            let s = slot as usize;
+            if r.status != RequestStatus::Running && dropped[s] && delivered[s] {
+                return Err(broken!(
+                    "preempted request {id:?} has stale output both to drop and to deliver"
+                ));
+            }
             if r.num_in_flight_tokens != in_flight[slot as usize] {
                 return Err(broken!(
                     "request {id:?} counts {} tokens in flight but its steps awaiting output \

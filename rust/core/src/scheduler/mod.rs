@@ -1,9 +1,9 @@
 //! The continuous-batching scheduler (vLLM 0.33 semantics, one full-attention group).
 //!
 //! Each `schedule()` first tops up running requests (preempting when the pool is short), then,
-//! if nothing was preempted, admits waiting requests. Every allocation reserves the lookahead
-//! the speculative method needs ([`crate::lookahead`]), so every position the target or the
-//! drafter writes in the step lies in a block the request owns.
+//! if nothing was preempted, admits waiting requests (unless paused: `pause.rs`). Every
+//! allocation reserves the lookahead the speculative method needs ([`crate::lookahead`]), so
+//! every position the target or the drafter writes in the step lies in a block the request owns.
 //!
 //! With `async_scheduling` (vLLM's `AsyncScheduler`), a step may be scheduled before the
 //! previous one's output is applied: each scheduled request that samples counts its coming
@@ -11,7 +11,10 @@
 //! drafts, so the next step schedules 1 + K tokens for it; outputs resolve the placeholders.
 
 mod invariants;
+mod pause;
 mod update;
+
+pub use pause::PauseState;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -75,6 +78,8 @@ struct InFlightEntry {
     /// The request's preemption count at scheduling: an output scheduled before a later
     /// preemption is stale (its tokens are delivered, its counters were reset).
     preemptions: u32,
+    /// Stale output to drop rather than deliver (set by `preempt_all_running`; see `pause.rs`).
+    drop_output: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -148,6 +153,12 @@ pub struct Scheduler {
     stats: SchedulerStats,
     scratch: StepScratch,
     uid: u64,
+    /// What `schedule()` may schedule (vLLM's pause states).
+    pause: PauseState,
+    /// In-flight entries marked `drop_output`.
+    num_dropped_in_flight: usize,
+    /// Requests preempted outside `schedule()`, reported with the next step.
+    preempted_between_steps: Vec<String>,
 }
 
 /// Source of scheduler identities, so an output is never applied to another scheduler.
@@ -188,6 +199,9 @@ impl Scheduler {
             stats,
             scratch: StepScratch::default(),
             uid: NEXT_SCHEDULER_UID.fetch_add(1, Ordering::Relaxed),
+            pause: PauseState::Unpaused,
+            num_dropped_in_flight: 0,
+            preempted_between_steps: Vec::new(),
         })
     }
 
@@ -392,16 +406,22 @@ impl Scheduler {
         out.clear();
         self.scratch.ensure(self.store_capacity());
         let mut budget = self.config.max_num_batched_tokens;
+        if self.pause == PauseState::PausedAll {
+            budget = 0; // vLLM: a step that schedules nothing but reports finished ids
+        }
         let mut scheduled_order: Vec<u32> = Vec::with_capacity(self.running.len());
         let mut preempted_any = false;
 
         let prefill_scheduled =
             self.schedule_running(&mut budget, &mut scheduled_order, &mut preempted_any, out)?;
         crate::fault::hit("schedule.after_running")?;
-        if !preempted_any {
+        if !preempted_any && self.pause == PauseState::Unpaused {
             self.schedule_waiting(&mut budget, &mut scheduled_order, prefill_scheduled)?;
         }
-        self.finish_step(out, scheduled_order)
+        self.finish_step(out, scheduled_order)?;
+        out.preempted_req_ids
+            .append(&mut self.preempted_between_steps);
+        Ok(())
     }
 
     fn store_capacity(&self) -> usize {
@@ -552,6 +572,7 @@ impl Scheduler {
     /// Recompute preemption: free the blocks (full ones stay cached), reset progress, back to
     /// the front of the waiting queue. The caller already removed it from `running`.
     fn preempt(&mut self, slot: u32, out: &mut StepOutput) -> CoreResult<()> {
+        self.keep_dropping_stale_output(slot);
         self.rows.remove(&mut self.store, slot);
         let r = self.store.get_mut(slot)?;
         self.kv.free(&mut r.blocks);
@@ -601,9 +622,13 @@ impl Scheduler {
                 break;
             };
             let r = self.store.get(slot)?;
-            if r.status == RequestStatus::Preempted && r.num_in_flight_tokens > 0 {
+            if r.status == RequestStatus::Preempted
+                && r.num_in_flight_tokens > 0
+                && !self.drops_stale_output(slot)
+            {
                 // As vLLM 0.33: output of a step scheduled before its preemption is still to
                 // come; resuming now could recompute positions that output delivers later.
+                // (Output to be dropped delivers nothing: such a request resumes at once.)
                 self.waiting.pop();
                 passed_over.push(slot);
                 continue;
@@ -759,6 +784,7 @@ impl Scheduler {
                 is_prefill_chunk: r.is_prefill_chunk,
                 num_scheduled: num_new as u32,
                 preemptions: r.num_preemptions,
+                drop_output: false,
             });
             if self.config.async_scheduling && !r.is_prefill_chunk {
                 add_output_placeholders(r, num_spec, self.config.num_speculative_tokens);

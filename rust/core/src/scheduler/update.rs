@@ -61,7 +61,7 @@ impl Scheduler {
                     e.num_spec_tokens
                 ));
             }
-            if c == 0 && self.config.async_scheduling && !e.is_prefill_chunk {
+            if c == 0 && self.config.async_scheduling && !e.is_prefill_chunk && !e.drop_output {
                 // Its placeholders would never resolve.
                 return Err(invalid!(
                     "request at batch index {i} finished its prefill or decoded in this step but \
@@ -83,6 +83,9 @@ impl Scheduler {
             }
             let sampled = &tokens[start..start + count as usize];
             start += count as usize;
+            if e.drop_output {
+                self.num_dropped_in_flight -= 1;
+            }
             let Some(r) = self.store.get_mut_if_current(e.slot, e.generation) else {
                 continue;
             };
@@ -92,7 +95,9 @@ impl Scheduler {
             // Scheduled before the request's latest preemption: the tokens are still delivered,
             // but the counters they would adjust were reset (vLLM 0.33's stale output).
             let stale = r.num_preemptions != e.preemptions;
-            if r.is_finished() || sampled.is_empty() || e.is_prefill_chunk {
+            // Stale output of a request preempted by `preempt_all_running` with
+            // `drop_stale_outputs`: dropped whole (no token, no stat), as vLLM 0.33 does.
+            if r.is_finished() || sampled.is_empty() || e.is_prefill_chunk || e.drop_output {
                 continue;
             }
             if e.num_spec_tokens > 0 {
