@@ -178,7 +178,7 @@ class OutputBuilder:
 
     def engine_outputs(
         self,
-        results: list[Any],
+        results: Any,
         runner_output: Any,
         finished_dict: Optional[dict[int, set[str]]],
     ) -> dict[int, list[Any]]:
@@ -193,15 +193,15 @@ class OutputBuilder:
         single_client = book.num_other_clients == 0
         client0: list[Any] = []
         by_client: dict[int, list[Any]] = {0: client0} if single_client else {}
-        for ro in results:
-            rid = ro.request_id
-            tokens = ro.new_token_ids
+        finished = results.finished
+        for rid, tokens in zip(results.req_ids, results.new_token_ids):
             num_output[rid] += len(tokens)
-            if single_client and ro.finish_reason is None and rid not in slow and not nans:
+            finish = finished.get(rid) if finished else None
+            if single_client and finish is None and rid not in slow and not nans:
                 client0.append(make(rid, tokens))  # the steady-state decode output
                 continue
             client = 0 if single_client else book.requests[rid].client_index
-            eco = self._engine_output(ro, rid, tokens, runner_output, finished_dict)
+            eco = self._engine_output(finish, rid, tokens, runner_output, finished_dict)
             if single_client:
                 client0.append(eco)
             else:
@@ -212,7 +212,7 @@ class OutputBuilder:
 
     def _engine_output(
         self,
-        ro: Any,
+        finish: Optional[tuple[str, Optional[int]]],
         rid: str,
         tokens: list[int],
         runner_output: Any,
@@ -240,13 +240,13 @@ class OutputBuilder:
         if request.trace_headers is not None:
             kwargs["trace_headers"] = request.trace_headers
         book.refresh_slow_path(rid)
-        reason = ro.finish_reason
-        if reason is not None:
+        if finish is not None:
+            reason, stop_reason = finish
             self.num_finished += 1
-            status, finish = self.finish_map[reason]
-            kwargs["finish_reason"] = finish
-            kwargs["stop_reason"] = ro.stop_reason
-            book.finished(rid, status, ro.stop_reason)
+            status, vllm_reason = self.finish_map[reason]
+            kwargs["finish_reason"] = vllm_reason
+            kwargs["stop_reason"] = stop_reason
+            book.finished(rid, status, stop_reason)
             if finished_dict is not None:
                 finished_dict.setdefault(request.client_index, set()).add(rid)
         return self.EngineCoreOutput(request_id=rid, new_token_ids=tokens, **kwargs)

@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 from vllm.multimodal import MULTIMODAL_REGISTRY, MultiModalRegistry
@@ -213,7 +213,7 @@ class DFlashRsScheduler(SchedulerInterface):
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
         core_out = self._take_in_flight(scheduler_output)
-        results: list[Any] = []
+        results = _NO_RESULTS
         if core_out is not None and len(core_out):
             req_ids = core_out.req_ids
             sampled = model_runner_output.sampled_token_ids
@@ -222,7 +222,10 @@ class DFlashRsScheduler(SchedulerInterface):
             elif model_runner_output.req_ids != req_ids:
                 index = model_runner_output.req_id_to_index
                 sampled = [sampled[index[rid]] for rid in req_ids]
-            results = self._core.update_from_output(core_out, CoreRunnerOutput(req_ids, sampled))
+            update = self._core.update_from_output_arrays(
+                core_out, CoreRunnerOutput(req_ids, sampled)
+            )
+            results = _Results.of(update, req_ids, sampled)
         by_client = self._out.engine_outputs(results, model_runner_output, self._finished_dict)
         self._num_finished_unreported += self._out.num_finished
         if self._error_outputs:
@@ -401,7 +404,38 @@ class DFlashRsScheduler(SchedulerInterface):
         return self._core
 
 
-def _invalid_drafts(scheduler_output: Any, results: list[Any]) -> list[tuple[int, int]]:
+class _Results(NamedTuple):
+    """One step's update in batch order: the ids of the requests that got tokens, their new
+    tokens, and the finish reason and stop reason of those that finished."""
+
+    req_ids: list[str]
+    new_token_ids: list[list[int]]
+    finished: dict[str, tuple[str, Optional[int]]]
+
+    @classmethod
+    def of(cls, update: Any, req_ids: list[str], sampled: list[list[int]]) -> _Results:
+        """From the core's flat ``UpdateResult``. A request's new tokens are the first ones of
+        what it sampled (the rest were cut by a stop), so the runner's own lists are handed on,
+        as vLLM's scheduler does, instead of one new list per request."""
+        index = update.batch_index.tolist()
+        counts = update.num_new_tokens.tolist()
+        ids = [req_ids[i] for i in index]
+        tokens = [
+            s if len(s) == n else list(s[:n]) for s, n in zip([sampled[i] for i in index], counts)
+        ]
+        finished = dict(
+            zip(
+                update.finished_req_ids,
+                zip(update.finish_reasons, update.stop_reasons),
+            )
+        )
+        return cls(ids, tokens, finished)
+
+
+_NO_RESULTS = _Results([], [], {})
+
+
+def _invalid_drafts(scheduler_output: Any, results: _Results) -> list[tuple[int, int]]:
     """(scheduled, invalid) draft counts of the requests verified in this output whose drafts
     ``update_draft_token_ids_in_output`` padded (vLLM leaves those out of its stats)."""
     invalid = getattr(scheduler_output, "num_invalid_spec_tokens", None)
@@ -409,7 +443,5 @@ def _invalid_drafts(scheduler_output: Any, results: list[Any]) -> list[tuple[int
         return []
     spec = scheduler_output.scheduled_spec_decode_tokens
     return [
-        (len(spec[ro.request_id]), invalid[ro.request_id])
-        for ro in results
-        if ro.request_id in invalid and ro.request_id in spec
+        (len(spec[rid]), invalid[rid]) for rid in results.req_ids if rid in invalid and rid in spec
     ]
