@@ -3,14 +3,15 @@
 use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
-use pyo3::types::PyBool;
+use pyo3::types::{PyBool, PyList};
+use std::fmt::Display;
 
 use crate::errors::invalid;
 
 /// Largest token id accepted (token ids are int32 on the GPU side).
 pub const MAX_TOKEN_ID: i64 = i32::MAX as i64;
 
-fn check_token(py: Python<'_>, what: &str, i: usize, t: i64) -> PyResult<u32> {
+fn check_token(py: Python<'_>, what: impl Display, i: usize, t: i64) -> PyResult<u32> {
     if (0..=MAX_TOKEN_ID).contains(&t) {
         Ok(t as u32)
     } else {
@@ -24,7 +25,7 @@ fn check_token(py: Python<'_>, what: &str, i: usize, t: i64) -> PyResult<u32> {
 /// Converts checked token values; the fast path is one vectorisable pass over a slice.
 fn tokens_from_slice<T: Copy + Into<i64>>(
     py: Python<'_>,
-    what: &str,
+    what: impl Display,
     values: &[T],
 ) -> PyResult<Vec<u32>> {
     let in_range = |t: &T| (0..=MAX_TOKEN_ID).contains(&(*t).into());
@@ -39,9 +40,19 @@ fn tokens_from_slice<T: Copy + Into<i64>>(
     Err(check_token(py, what, i, bad.into()).unwrap_err())
 }
 
-/// Extracts token ids from a list/tuple of ints or a 1-D int32/int64 numpy array.
-pub fn token_ids(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
+/// Extracts token ids from a list/tuple of ints or a 1-D int32/int64 numpy array. `what` names
+/// the argument in error messages; it is only formatted on an error (pass `format_args!`).
+pub fn token_ids(obj: &Bound<'_, PyAny>, what: impl Display + Copy) -> PyResult<Vec<u32>> {
     let py = obj.py();
+    if let Ok(list) = obj.cast::<PyList>() {
+        // The common case from Python (one list per request): no numpy type checks first.
+        let mut values = Vec::with_capacity(list.len());
+        for item in list.iter() {
+            let t: i64 = item.extract().map_err(|_| not_a_sequence(py, what))?;
+            values.push(check_token(py, what, values.len(), t)?);
+        }
+        return Ok(values);
+    }
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
         return match arr.as_slice() {
             Ok(slice) => tokens_from_slice(py, what, slice),
@@ -71,12 +82,7 @@ pub fn token_ids(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
             format!("{what} must be a sequence of ints, not a string"),
         ));
     }
-    let values: Vec<i64> = obj.extract().map_err(|_| {
-        invalid(
-            py,
-            format!("{what} must be a sequence of ints or a 1-D integer array"),
-        )
-    })?;
+    let values: Vec<i64> = obj.extract().map_err(|_| not_a_sequence(py, what))?;
     values
         .iter()
         .enumerate()
@@ -96,6 +102,13 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int {
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         int_named(&obj, "an int argument").map(Int)
     }
+}
+
+fn not_a_sequence(py: Python<'_>, what: impl Display) -> PyErr {
+    invalid(
+        py,
+        format!("{what} must be a sequence of ints or a 1-D integer array"),
+    )
 }
 
 /// Extracts a Python int named `what` for messages (see [`Int`]).

@@ -222,7 +222,7 @@ impl State {
             .enumerate()
         {
             let item = item?;
-            let t = token_ids(&item, &format!("sampled_token_ids[{i}]"))?;
+            let t = token_ids(&item, format_args!("sampled_token_ids[{i}]"))?;
             counts.push(t.len() as u32);
             tokens.extend_from_slice(&t);
         }
@@ -709,7 +709,7 @@ impl PyScheduler {
         } else {
             let mut v = Vec::new();
             for (i, item) in drafts.try_iter()?.enumerate() {
-                v.push(token_ids(&item?, &format!("draft_token_ids[{i}]"))?);
+                v.push(token_ids(&item?, format_args!("draft_token_ids[{i}]"))?);
             }
             if v.len() != counts.len() {
                 return Err(invalid(
@@ -776,7 +776,7 @@ fn parse_draft_dict(
         let id: String = k
             .extract()
             .map_err(|_| invalid(py, "draft token ids must be keyed by request id (str)"))?;
-        let tokens = token_ids(&v, &format!("draft_token_ids[{id:?}]"))?;
+        let tokens = token_ids(&v, format_args!("draft_token_ids[{id:?}]"))?;
         parsed.push((id, tokens));
     }
     Ok(parsed)
