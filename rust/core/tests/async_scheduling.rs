@@ -3,11 +3,13 @@
 //! and a preemption while a step is in flight, and (proptest) the ownership contract and
 //! `check_invariants` after every call with up to three steps in flight.
 
+mod common;
+
+use common::{add, apply, check_ownership, req, schedule};
 use dflash_core::lookahead::SpecMethod;
-use dflash_core::request::Request;
 use dflash_core::scheduler::PLACEHOLDER_TOKEN;
 use dflash_core::{
-    FinishReason, RequestSpec, RequestStatus, Scheduler, SchedulerConfig, StepOutput, UpdateOutput,
+    FinishReason, RequestStatus, Scheduler, SchedulerConfig, StepOutput, UpdateOutput,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestRng;
@@ -20,48 +22,6 @@ fn config(method: SpecMethod, k: usize, num_blocks: usize) -> SchedulerConfig {
     c.num_speculative_tokens = k;
     c.async_scheduling = true;
     c
-}
-
-fn add(s: &mut Scheduler, id: &str, prompt_len: usize, max_tokens: usize) {
-    let base = 1000 * (s.num_unfinished() as u32 + 1);
-    let spec = RequestSpec {
-        request_id: id.to_owned(),
-        prompt_token_ids: (0..prompt_len as u32).map(|t| base + t).collect(),
-        max_tokens,
-        eos_token_id: Some(2),
-        ..Default::default()
-    };
-    s.add_request(spec).unwrap();
-}
-
-fn req<'a>(s: &'a Scheduler, id: &str) -> &'a Request {
-    s.requests().get(s.slot_of(id).unwrap()).unwrap()
-}
-
-fn schedule(s: &mut Scheduler) -> StepOutput {
-    let mut out = StepOutput::default();
-    s.schedule(&mut out).unwrap();
-    s.check_invariants().unwrap();
-    out
-}
-
-/// Applies `out`'s output: entry `i` samples `sampled(i)` tokens (ignored for prefill chunks).
-fn apply(s: &mut Scheduler, out: &StepOutput, sampled: impl Fn(usize) -> Vec<u32>) -> UpdateOutput {
-    let (mut tokens, mut counts) = (Vec::new(), Vec::new());
-    for i in 0..out.num_reqs() {
-        let t = if out.is_prefill_chunk[i] {
-            Vec::new()
-        } else {
-            sampled(i)
-        };
-        counts.push(t.len() as u32);
-        tokens.extend(t);
-    }
-    let mut upd = UpdateOutput::default();
-    s.update_from_output(out.step_id, &tokens, &counts, &mut upd)
-        .unwrap();
-    s.check_invariants().unwrap();
-    upd
 }
 
 fn index(s: &Scheduler, out: &StepOutput, id: &str) -> usize {
@@ -348,33 +308,6 @@ fn workload() -> impl Strategy<Value = Workload> {
 
 /// Every position a scheduled entry writes (scheduled tokens, on top of the placeholders in
 /// its computed count, plus the method's lookahead) lies in a block the request owns.
-fn check_ownership(s: &Scheduler, out: &StepOutput) -> Result<(), String> {
-    let required = s.config().required_lookahead();
-    let table = s.block_table();
-    for i in 0..out.num_reqs() {
-        let r = s.requests().get(out.slots[i]).map_err(|e| e.to_string())?;
-        let end =
-            (out.num_computed_tokens[i] as usize + out.num_scheduled_tokens[i] as usize + required)
-                .min(s.config().max_model_len);
-        let count = table.counts()[i] as usize;
-        if end.div_ceil(BS) > count {
-            return Err(format!(
-                "{} writes up to position {end} but owns {count} blocks",
-                r.spec.request_id
-            ));
-        }
-        for &b in &table.full_row(i)[..count] {
-            if b == 0 || !r.blocks.block_ids.contains(&(b as u32)) {
-                return Err(format!(
-                    "{} maps to block {b} it does not own",
-                    r.spec.request_id
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
 fn run(w: &Workload) -> Result<(), String> {
     let mut s = Scheduler::new(config(w.method, w.k, w.num_blocks)).map_err(|e| e.to_string())?;
     for (i, &(len, max_tokens)) in w.prompts.iter().enumerate() {

@@ -6,11 +6,13 @@
 
 use std::collections::{HashSet, VecDeque};
 
+mod common;
+
+use common::{add, apply, check_ownership, ids, req, schedule};
 use dflash_core::lookahead::SpecMethod;
-use dflash_core::request::Request;
 use dflash_core::{
-    EntryKind, FinishReason, PauseState, RequestSpec, RequestStatus, Scheduler, SchedulerConfig,
-    StepOutput, UpdateOutput,
+    EntryKind, FinishReason, PauseState, RequestStatus, Scheduler, SchedulerConfig, StepOutput,
+    UpdateOutput,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestRng;
@@ -30,30 +32,6 @@ fn config(
     c
 }
 
-fn add(s: &mut Scheduler, id: &str, prompt_len: usize, max_tokens: usize) {
-    let base = 1000 * (s.num_unfinished() as u32 + 1);
-    let spec = RequestSpec {
-        request_id: id.to_owned(),
-        prompt_token_ids: (0..prompt_len as u32).map(|t| base + t).collect(),
-        max_tokens,
-        eos_token_id: Some(2),
-        arrival_time: s.num_unfinished() as f64,
-        ..Default::default()
-    };
-    s.add_request(spec).unwrap();
-}
-
-fn req<'a>(s: &'a Scheduler, id: &str) -> &'a Request {
-    s.requests().get(s.slot_of(id).unwrap()).unwrap()
-}
-
-fn ids(s: &Scheduler, slots: &[u32]) -> Vec<String> {
-    slots
-        .iter()
-        .map(|&slot| s.requests().get(slot).unwrap().spec.request_id.clone())
-        .collect()
-}
-
 fn running_ids(s: &Scheduler) -> Vec<String> {
     ids(s, s.running())
 }
@@ -62,34 +40,8 @@ fn waiting_ids(s: &Scheduler) -> Vec<String> {
     ids(s, &s.waiting_in_order())
 }
 
-fn schedule(s: &mut Scheduler) -> StepOutput {
-    let mut out = StepOutput::default();
-    s.schedule(&mut out).unwrap();
-    s.check_invariants().unwrap();
-    out
-}
-
 fn step_ids(s: &Scheduler, out: &StepOutput) -> Vec<String> {
     ids(s, &out.slots)
-}
-
-/// Applies `out`'s output: every entry that samples gets `sampled(i)`.
-fn apply(s: &mut Scheduler, out: &StepOutput, sampled: impl Fn(usize) -> Vec<u32>) -> UpdateOutput {
-    let (mut tokens, mut counts) = (Vec::new(), Vec::new());
-    for i in 0..out.num_reqs() {
-        let t = if out.is_prefill_chunk[i] {
-            Vec::new()
-        } else {
-            sampled(i)
-        };
-        counts.push(t.len() as u32);
-        tokens.extend(t);
-    }
-    let mut upd = UpdateOutput::default();
-    s.update_from_output(out.step_id, &tokens, &counts, &mut upd)
-        .unwrap();
-    s.check_invariants().unwrap();
-    upd
 }
 
 /// The speculative-decoding counters (what vLLM's SpecDecodingStats are made of).
@@ -453,20 +405,6 @@ fn workload() -> impl Strategy<Value = Workload> {
                 seed,
             },
         )
-}
-
-fn check_ownership(s: &Scheduler, out: &StepOutput) -> Result<(), String> {
-    let required = s.config().required_lookahead();
-    let table = s.block_table();
-    for i in 0..out.num_reqs() {
-        let end =
-            (out.num_computed_tokens[i] as usize + out.num_scheduled_tokens[i] as usize + required)
-                .min(s.config().max_model_len);
-        if end.div_ceil(BS) > table.counts()[i] as usize {
-            return Err(format!("entry {i} writes up to {end} past its blocks"));
-        }
-    }
-    Ok(())
 }
 
 /// Returns (resets, entries whose output was dropped).
