@@ -195,6 +195,7 @@ impl KvCacheManager {
         req: &RequestBlocks,
         seq: SequenceView<'_>,
         args: &AllocateArgs<'_>,
+        check_hits: bool,
     ) -> CoreResult<()> {
         let bs = self.block_size;
         if args.num_new_tokens == 0 {
@@ -242,7 +243,7 @@ impl KvCacheManager {
             ));
         }
         let mut fingerprint = None;
-        for (i, &b) in hits.iter().enumerate() {
+        for (i, &b) in hits.iter().enumerate().take_while(|_| check_hits) {
             // Hits lie below num_tokens - 1 (checked above), so the block's tokens exist.
             let tokens = &seq.tokens[i * bs..(i + 1) * bs];
             fingerprint = self.pool.prefix_fingerprint(fingerprint, tokens, seq.extra);
@@ -282,8 +283,30 @@ impl KvCacheManager {
         seq: SequenceView<'_>,
         args: AllocateArgs<'_>,
     ) -> CoreResult<Option<usize>> {
+        self.allocate(req, seq, args, true)
+    }
+
+    /// [`Self::allocate_slots`] for hits that [`Self::get_computed_blocks`] has just returned
+    /// for this very sequence, with no change to the pool since: the per-block check of the
+    /// hits (hash, tokens and prefix fingerprint), which that lookup made, is not repeated.
+    pub(crate) fn allocate_slots_after_lookup(
+        &mut self,
+        req: &mut RequestBlocks,
+        seq: SequenceView<'_>,
+        args: AllocateArgs<'_>,
+    ) -> CoreResult<Option<usize>> {
+        self.allocate(req, seq, args, false)
+    }
+
+    fn allocate(
+        &mut self,
+        req: &mut RequestBlocks,
+        seq: SequenceView<'_>,
+        args: AllocateArgs<'_>,
+        check_hits: bool,
+    ) -> CoreResult<Option<usize>> {
         crate::fault::hit("allocate_slots.begin")?;
-        self.validate(req, seq, &args)?;
+        self.validate(req, seq, &args, check_hits)?;
         let hits = args.new_computed_blocks;
         let total =
             (args.num_computed_tokens + args.num_new_computed_tokens).min(self.max_model_len);

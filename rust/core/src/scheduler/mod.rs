@@ -682,7 +682,13 @@ impl Scheduler {
                 num_lookahead_tokens: lookahead,
                 full_sequence_must_fit: true,
             };
-            if self.kv.allocate_slots(&mut r.blocks, seq, args)?.is_none() {
+            // The hits come from `get_computed_blocks` on this sequence above, and nothing has
+            // changed the pool since.
+            if self
+                .kv
+                .allocate_slots_after_lookup(&mut r.blocks, seq, args)?
+                .is_none()
+            {
                 if self.running.is_empty() {
                     // Nothing holds a block, yet it does not fit (a resumed request that grew
                     // past the pool): it never will. End it rather than block the queue.
