@@ -153,6 +153,17 @@ def _configs(offline: Any, method: str, num_blocks: int) -> tuple[Any, Any]:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
 
 
+def _arrive(offline: Any, rid: str, step: int, engines: Any) -> None:
+    """Submits request `rid` arriving at `step` to each (engine, block hasher): 20-109 prompt
+    tokens, behind a shared 40-token prefix on odd steps."""
+    n = 20 + (step * 37) % 90
+    prefix = list(range(1000, 1040)) if step % 2 else []
+    prompt = prefix + [2000 + step * 7 + j for j in range(n)]
+    for engine, hasher in engines:
+        req = offline.request(rid, prompt, 10 + step * 7 % 70, hasher, eos_token_id=EOS)
+        engine.scheduler.add_request(req)
+
+
 def test_vllm_selects_the_drop_in_with_async_scheduling(offline: Any) -> None:
     cfg, _ = _configs(offline, "dflash", 48)
     assert cfg.scheduler_config.async_scheduling
@@ -171,18 +182,12 @@ def test_engine_async_loop_matches_async_scheduler(offline: Any, method: str) ->
     ev = _engine(cfg, offline.scheduler(AsyncScheduler, cfg, kv), vex)
     ed = _engine(cfg, offline.scheduler(DFlashRsScheduler, cfg, kv), dex)
     p = TraceParams(seed=0, method=method, async_scheduling=True)
-    prefix = list(range(1000, 1040))
     arrivals = {s: f"r{s}" for s in range(0, 60, 2)}
     aborted: set[str] = set()
     finished: set[str] = set()
     for step in range(400):
         if step in arrivals:
-            rid = arrivals[step]
-            n = 20 + (step * 37) % 90
-            prompt = (prefix if step % 2 else []) + [2000 + step * 7 + j for j in range(n)]
-            for engine, h in ((ev, hasher), (ed, None)):
-                req = offline.request(rid, prompt, 10 + step * 7 % 70, h, eos_token_id=EOS)
-                engine.scheduler.add_request(req)
+            _arrive(offline, arrivals[step], step, ((ev, hasher), (ed, None)))
         if step in (25, 40, 41, 60) and ev.scheduler.running:
             # A running request, so its latest step is in flight when the abort lands.
             rid = ev.scheduler.running[-1].request_id
@@ -246,19 +251,13 @@ def test_engine_pause_and_resume_match_async_scheduler(
     for engine in (ev, ed):
         engine.mm_receiver_cache = None
     p = TraceParams(seed=0, method=method, async_scheduling=True)
-    prefix = list(range(1000, 1040))
     arrivals = {s: f"r{s}" for s in range(0, 90, 3)}
     pauses, resumes = {20, 60}, {35, 75}
     draining: set[Any] = set()
     held_back = 0
     for step in range(400):
         if step in arrivals:
-            rid = arrivals[step]
-            n = 20 + (step * 37) % 90
-            prompt = (prefix if step % 2 else []) + [2000 + step * 7 + j for j in range(n)]
-            for engine, h in ((ev, hasher), (ed, None)):
-                req = offline.request(rid, prompt, 10 + step * 7 % 70, h, eos_token_id=EOS)
-                engine.scheduler.add_request(req)
+            _arrive(offline, arrivals[step], step, ((ev, hasher), (ed, None)))
         if step in pauses:
             assert ev.batch_queue, "a step is in flight when the pause lands"
             for engine in (ev, ed):

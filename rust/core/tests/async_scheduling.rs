@@ -12,7 +12,6 @@ use dflash_core::{
     FinishReason, RequestStatus, Scheduler, SchedulerConfig, StepOutput, UpdateOutput,
 };
 use proptest::prelude::*;
-use proptest::test_runner::TestRng;
 
 const BS: usize = 16;
 
@@ -313,10 +312,7 @@ fn run(w: &Workload) -> Result<(), String> {
     for (i, &(len, max_tokens)) in w.prompts.iter().enumerate() {
         add(&mut s, &format!("r{i}"), len, max_tokens);
     }
-    let mut rng = TestRng::deterministic_rng(proptest::test_runner::RngAlgorithm::ChaCha);
-    for _ in 0..(w.seed % 13) {
-        rng.next_u32();
-    }
+    let mut rng = common::rng(w.seed);
     let mut in_flight: std::collections::VecDeque<StepOutput> = Default::default();
     let mut upd = UpdateOutput::default();
     for _ in 0..600 {
@@ -339,17 +335,8 @@ fn run(w: &Workload) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
             s.check_invariants().map_err(|e| e.to_string())?;
         }
-        let (mut tokens, mut counts) = (Vec::new(), Vec::new());
-        for i in 0..out.num_reqs() {
-            if out.is_prefill_chunk[i] {
-                counts.push(0);
-                continue;
-            }
-            let accepted = rng.next_u32() as usize % (out.num_spec_tokens[i] as usize + 1);
-            counts.push(accepted as u32 + 1);
-            // Token 2 is EOS: some requests stop while a later step is in flight.
-            tokens.extend((0..=accepted).map(|_| rng.next_u32() % 200 + 2));
-        }
+        // Token 2 is EOS: some requests stop while a later step is in flight.
+        let (tokens, counts) = common::random_output(&out, &mut rng, |r| r.next_u32() % 200 + 2);
         s.update_from_output(out.step_id, &tokens, &counts, &mut upd)
             .map_err(|e| e.to_string())?;
         s.check_invariants().map_err(|e| e.to_string())?;

@@ -15,7 +15,6 @@ use dflash_core::{
     UpdateOutput,
 };
 use proptest::prelude::*;
-use proptest::test_runner::TestRng;
 
 const BS: usize = 16;
 
@@ -415,11 +414,7 @@ fn run(w: &Workload) -> Result<(usize, usize), String> {
     for (i, &(len, max_tokens)) in w.prompts.iter().enumerate() {
         add(&mut s, &format!("r{i}"), len, max_tokens);
     }
-    let mut rng = TestRng::from_seed(proptest::test_runner::RngAlgorithm::ChaCha, &{
-        let mut seed = [0u8; 32];
-        seed[..8].copy_from_slice(&w.seed.to_le_bytes());
-        seed
-    });
+    let mut rng = common::rng(w.seed);
     let mut in_flight: VecDeque<StepOutput> = Default::default();
     // (step id, slot, generation) of entries whose output must be dropped.
     let mut dropped: HashSet<(u64, u32, u32)> = HashSet::new();
@@ -495,16 +490,7 @@ fn run(w: &Workload) -> Result<(usize, usize), String> {
                 .map_err(e)?;
             s.check_invariants().map_err(e)?;
         }
-        let (mut tokens, mut counts) = (Vec::new(), Vec::new());
-        for i in 0..out.num_reqs() {
-            if out.is_prefill_chunk[i] {
-                counts.push(0);
-                continue;
-            }
-            let accepted = rng.next_u32() as usize % (out.num_spec_tokens[i] as usize + 1);
-            counts.push(accepted as u32 + 1);
-            tokens.extend((0..=accepted).map(|_| rng.next_u32() % 200 + 2));
-        }
+        let (tokens, counts) = common::random_output(&out, &mut rng, |r| r.next_u32() % 200 + 2);
         s.update_from_output(out.step_id, &tokens, &counts, &mut upd)
             .map_err(e)?;
         s.check_invariants().map_err(e)?;

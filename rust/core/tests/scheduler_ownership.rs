@@ -2,10 +2,11 @@
 //! the target model or the drafter writes for a scheduled request lies in a block it owns.
 //! The legacy lookahead policies (bugs real engines shipped) must be caught by the same check.
 
+mod common;
+
 use dflash_core::lookahead::{LookaheadPolicy, SpecMethod};
 use dflash_core::{Scheduler, SchedulerConfig, StepOutput, UpdateOutput};
 use proptest::prelude::*;
-use proptest::test_runner::TestRng;
 
 #[derive(Debug, Clone)]
 struct Workload {
@@ -103,10 +104,7 @@ fn run(w: &Workload, policy: LookaheadPolicy) -> Result<dflash_core::SchedulerSt
         };
         sched.add_request(spec).map_err(|e| e.to_string())?;
     }
-    let mut rng = TestRng::deterministic_rng(proptest::test_runner::RngAlgorithm::ChaCha);
-    for _ in 0..(w.seed % 7) {
-        rng.next_u32();
-    }
+    let mut rng = common::rng(w.seed);
     let (mut out, mut upd) = (StepOutput::default(), UpdateOutput::default());
     for _ in 0..400 {
         if sched.num_unfinished() == 0 {
@@ -115,16 +113,7 @@ fn run(w: &Workload, policy: LookaheadPolicy) -> Result<dflash_core::SchedulerSt
         sched.schedule(&mut out).map_err(|e| e.to_string())?;
         check_step(&sched, &out, required, w)?;
         sched.check_invariants().map_err(|e| e.to_string())?;
-        let (mut tokens, mut counts) = (Vec::new(), Vec::new());
-        for i in 0..out.num_reqs() {
-            if out.is_prefill_chunk[i] {
-                counts.push(0);
-                continue;
-            }
-            let accepted = rng.next_u32() as usize % (out.num_spec_tokens[i] as usize + 1);
-            counts.push(accepted as u32 + 1);
-            tokens.extend((0..=accepted).map(|_| rng.next_u32() % 4 + 10));
-        }
+        let (tokens, counts) = common::random_output(&out, &mut rng, |r| r.next_u32() % 4 + 10);
         sched
             .update_from_output(out.step_id, &tokens, &counts, &mut upd)
             .map_err(|e| e.to_string())?;

@@ -95,3 +95,34 @@ pub fn check_ownership(s: &Scheduler, out: &StepOutput) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// A deterministic random stream for a property test case's `seed`.
+pub fn rng(seed: u64) -> proptest::test_runner::TestRng {
+    let mut bytes = [0u8; 32];
+    bytes[..8].copy_from_slice(&seed.to_le_bytes());
+    proptest::test_runner::TestRng::from_seed(proptest::test_runner::RngAlgorithm::ChaCha, &bytes)
+}
+
+/// A model output for `out` with uniform acceptance: every entry that samples accepts 0..=its
+/// drafts plus the bonus token, each token drawn by `token`; prefill chunks sample nothing.
+/// Returns (flat tokens, per-entry counts).
+pub fn random_output(
+    out: &StepOutput,
+    rng: &mut proptest::test_runner::TestRng,
+    mut token: impl FnMut(&mut proptest::test_runner::TestRng) -> u32,
+) -> (Vec<u32>, Vec<u32>) {
+    use proptest::prelude::*;
+    let (mut tokens, mut counts) = (Vec::new(), Vec::new());
+    for i in 0..out.num_reqs() {
+        if out.is_prefill_chunk[i] {
+            counts.push(0);
+            continue;
+        }
+        let accepted = rng.next_u32() as usize % (out.num_spec_tokens[i] as usize + 1);
+        counts.push(accepted as u32 + 1);
+        for _ in 0..=accepted {
+            tokens.push(token(rng));
+        }
+    }
+    (tokens, counts)
+}
