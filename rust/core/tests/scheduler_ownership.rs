@@ -85,7 +85,6 @@ fn run(w: &Workload, policy: LookaheadPolicy) -> Result<dflash_core::SchedulerSt
     config.lookahead_policy = policy;
     // Half the workloads pad admissions with one token left to 1 + K (vLLM's uniform decode).
     config.pad_admitted_decodes = w.seed % 2 == 0;
-    let required = config.required_lookahead();
     let mut sched = Scheduler::new(config).map_err(|e| e.to_string())?;
     for (i, prompt) in w.prompts.iter().enumerate() {
         // Shared prefix: even requests start with the same tokens so prefix hits happen.
@@ -111,7 +110,7 @@ fn run(w: &Workload, policy: LookaheadPolicy) -> Result<dflash_core::SchedulerSt
             break;
         }
         sched.schedule(&mut out).map_err(|e| e.to_string())?;
-        check_step(&sched, &out, required, w)?;
+        common::check_ownership(&sched, &out)?;
         sched.check_invariants().map_err(|e| e.to_string())?;
         let (tokens, counts) = common::random_output(&out, &mut rng, |r| r.next_u32() % 4 + 10);
         sched
@@ -130,43 +129,7 @@ fn run(w: &Workload, policy: LookaheadPolicy) -> Result<dflash_core::SchedulerSt
     Ok(sched.stats().clone())
 }
 
-/// The contract, checked from the step output and block table alone.
-fn check_step(
-    sched: &Scheduler,
-    out: &StepOutput,
-    required: usize,
-    w: &Workload,
-) -> Result<(), String> {
-    let table = sched.block_table();
-    for i in 0..out.num_reqs() {
-        let r = sched
-            .requests()
-            .get(out.slots[i])
-            .map_err(|e| e.to_string())?;
-        let end =
-            (out.num_computed_tokens[i] as usize + out.num_scheduled_tokens[i] as usize + required)
-                .min(w.max_model_len);
-        let count = table.counts()[i] as usize;
-        for p in 0..end {
-            let col = p / w.block_size;
-            if col >= count {
-                return Err(format!(
-                    "request {} writes position {p} but owns only {count} blocks ({} computed + {} scheduled + {required} lookahead)",
-                    r.spec.request_id, out.num_computed_tokens[i], out.num_scheduled_tokens[i]
-                ));
-            }
-            let block = table.full_row(i)[col] as u32;
-            if block == 0 || !r.blocks.block_ids.contains(&block) {
-                return Err(format!(
-                    "request {} maps position {p} to block {block} it does not own",
-                    r.spec.request_id
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
+// The contract (`common::check_ownership`), checked from the step output and block table alone.
 proptest! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
 

@@ -80,7 +80,7 @@ pub fn check_ownership(s: &Scheduler, out: &StepOutput) -> Result<(), String> {
         let count = table.counts()[i] as usize;
         if end.div_ceil(bs) > count {
             return Err(format!(
-                "{} writes up to position {end} but owns {count} blocks",
+                "{} writes up to position {end} but owns only {count} blocks",
                 r.spec.request_id
             ));
         }
