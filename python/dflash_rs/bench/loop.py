@@ -418,15 +418,21 @@ def micro_admit(args, seed: int, iters: int):
             times = []
             t_req = []
             gc.collect()
+            # Timed exactly as the vLLM side (compare_vllm.py's admit worker): one clock read
+            # before Request() and one after add_request(), none in between (a CPU-time clock
+            # read costs about 0.6 us here).
             for i, p in enumerate(ps):
                 rid = f"m{i}"
                 t0 = pc()
                 r = Request(rid, p, 16)
-                t1 = pc()
                 sched.add_request(r)
-                t2 = pc()
-                times.append(t2 - t0)
-                t_req.append(t1 - t0)
+                times.append(pc() - t0)
+            # Request() alone, on the same prompts.
+            for i, p in enumerate(ps):
+                rid = f"c{i}"
+                t0 = pc()
+                r = Request(rid, p, 16)
+                t_req.append(pc() - t0)
             out[f"admit_{L}_{path}"] = summarize_ns(times)
             out[f"request_ctor_{L}_{path}"] = summarize_ns(t_req)
             del sched

@@ -8,6 +8,7 @@
 use sha2::{Digest, Sha256};
 
 use crate::error::{invalid, CoreResult};
+use crate::sha256;
 
 /// Width of a block hash in bytes. SHA-256 and BLAKE3 fill all of it; XXH3-128 fills the first 16.
 pub const HASH_BYTES: usize = 32;
@@ -116,11 +117,21 @@ impl BlockHasher {
         } else {
             None
         };
+        let extras = [(TAG_LORA, extra.lora_name.as_deref()), (TAG_SALT, salt)];
+        if self.algo == HashAlgo::Sha256 {
+            // The usual block (about 100 bytes) is encoded straight into a padded SHA-256
+            // message.
+            let len = encoded_len(tokens, &extras);
+            if len <= sha256::MAX_INLINE {
+                let mut msg = sha256::PaddedMessage::new(len);
+                encode(msg.message_mut(), parent, tokens, &extras);
+                return msg.digest();
+            }
+        }
         // One call over the whole encoding: the hashes' streaming states cost more than the
         // hashing itself for a ~100-byte block.
-        let lora = extra.lora_name.as_deref();
-        with_encoding(parent, tokens, lora, salt, |bytes| match self.algo {
-            HashAlgo::Sha256 => Sha256::digest(bytes).into(),
+        with_encoding(parent, tokens, &extras, |bytes| match self.algo {
+            HashAlgo::Sha256 => sha256::digest(bytes),
             HashAlgo::Blake3 => *blake3::keyed_hash(&self.root, bytes).as_bytes(),
             HashAlgo::Xxh3_128 => {
                 let mut out = [0u8; HASH_BYTES];
@@ -149,29 +160,21 @@ impl BlockHasher {
 /// short extra keys (longer blocks or keys go through the heap).
 const INLINE_BLOCK_BYTES: usize = 384;
 
-/// Calls `hash` on the canonical encoding of one block: parent, token count and tokens (u32
-/// little endian), then tagged, length-prefixed extra keys.
-fn with_encoding<R>(
-    parent: &BlockHash,
-    tokens: &[u32],
-    lora_name: Option<&str>,
-    cache_salt: Option<&str>,
-    hash: impl FnOnce(&[u8]) -> R,
-) -> R {
-    let extras = [(TAG_LORA, lora_name), (TAG_SALT, cache_salt)];
+/// The extra keys a block's encoding carries, with their tags.
+type TaggedExtras<'a> = [(u8, Option<&'a str>); 2];
+
+/// Length of a block's canonical encoding.
+fn encoded_len(tokens: &[u32], extras: &TaggedExtras<'_>) -> usize {
     let extra_len: usize = extras
         .iter()
         .filter_map(|(_, v)| v.map(|v| 5 + v.len()))
         .sum();
-    let len = HASH_BYTES + 4 + 4 * tokens.len() + extra_len;
-    let mut stack = [0u8; INLINE_BLOCK_BYTES];
-    let mut heap = Vec::new();
-    let buf: &mut [u8] = if len <= INLINE_BLOCK_BYTES {
-        &mut stack[..len]
-    } else {
-        heap.resize(len, 0);
-        &mut heap
-    };
+    HASH_BYTES + 4 + 4 * tokens.len() + extra_len
+}
+
+/// Writes the canonical encoding of one block into `buf` (exactly [`encoded_len`] bytes):
+/// parent, token count and tokens (u32 little endian), then tagged, length-prefixed extra keys.
+fn encode(buf: &mut [u8], parent: &BlockHash, tokens: &[u32], extras: &TaggedExtras<'_>) {
     buf[..HASH_BYTES].copy_from_slice(parent);
     buf[HASH_BYTES..HASH_BYTES + 4].copy_from_slice(&(tokens.len() as u32).to_le_bytes());
     let token_bytes = &mut buf[HASH_BYTES + 4..HASH_BYTES + 4 + 4 * tokens.len()];
@@ -181,12 +184,31 @@ fn with_encoding<R>(
     let mut at = HASH_BYTES + 4 + 4 * tokens.len();
     for (tag, value) in extras {
         if let Some(v) = value {
-            buf[at] = tag;
+            buf[at] = *tag;
             buf[at + 1..at + 5].copy_from_slice(&(v.len() as u32).to_le_bytes());
             buf[at + 5..at + 5 + v.len()].copy_from_slice(v.as_bytes());
             at += 5 + v.len();
         }
     }
+}
+
+/// Calls `hash` on the canonical encoding of one block (see [`encode`]).
+fn with_encoding<R>(
+    parent: &BlockHash,
+    tokens: &[u32],
+    extras: &TaggedExtras<'_>,
+    hash: impl FnOnce(&[u8]) -> R,
+) -> R {
+    let len = encoded_len(tokens, extras);
+    let mut stack = [0u8; INLINE_BLOCK_BYTES];
+    let mut heap = Vec::new();
+    let buf: &mut [u8] = if len <= INLINE_BLOCK_BYTES {
+        &mut stack[..len]
+    } else {
+        heap.resize(len, 0);
+        &mut heap
+    };
+    encode(buf, parent, tokens, extras);
     hash(buf)
 }
 

@@ -23,6 +23,7 @@ pub mod queue;
 pub mod request;
 pub mod request_store;
 pub mod scheduler;
+pub mod sha256;
 
 pub use block_pool::{BlockPool, NULL_BLOCK};
 pub use config::SchedulerConfig;

@@ -100,6 +100,8 @@ pub struct Request {
     /// Tokens scheduled in steps whose output is not applied yet (including steps scheduled
     /// before a preemption, whose output is stale).
     pub num_in_flight_tokens: usize,
+    /// Prompt length: `tokens` starts with the prompt.
+    pub num_prompt_tokens: usize,
     /// Prompt followed by accepted output tokens.
     pub tokens: Vec<u32>,
     /// Hashes of every full block of `tokens` (empty when caching is off).
@@ -109,7 +111,8 @@ pub struct Request {
     /// Draft tokens proposed for the next step, inline up to [`INLINE_DRAFTS`] so a step reads
     /// them from the request itself, not from one more heap line per request.
     pub spec_token_ids: SmallVec<[u32; INLINE_DRAFTS]>,
-    /// What was submitted.
+    /// What was submitted; its `prompt_token_ids` moved into `tokens` (the prompt is kept
+    /// once, as the first `num_prompt_tokens` of `tokens`).
     pub spec: RequestSpec,
     /// Submission order (FCFS and priority tie-break).
     pub arrival_seq: u64,
@@ -117,14 +120,16 @@ pub struct Request {
 
 impl Request {
     /// A waiting request; hashes its full prompt blocks when `hasher` is given.
-    pub fn new(spec: RequestSpec, arrival_seq: u64, hasher: Option<&BlockHasher>) -> Self {
-        let tokens = spec.prompt_token_ids.clone();
+    pub fn new(mut spec: RequestSpec, arrival_seq: u64, hasher: Option<&BlockHasher>) -> Self {
+        let tokens = std::mem::take(&mut spec.prompt_token_ids);
+        let num_prompt_tokens = tokens.len();
         let mut block_hashes = Vec::new();
         if let Some(h) = hasher {
             h.extend_hashes(&mut block_hashes, &tokens, &spec.extra);
         }
         Self {
             spec,
+            num_prompt_tokens,
             tokens,
             block_hashes,
             status: RequestStatus::Waiting,
@@ -147,12 +152,17 @@ impl Request {
 
     /// Prompt length.
     pub fn num_prompt_tokens(&self) -> usize {
-        self.spec.prompt_token_ids.len()
+        self.num_prompt_tokens
+    }
+
+    /// Prompt token ids.
+    pub fn prompt_token_ids(&self) -> &[u32] {
+        &self.tokens[..self.num_prompt_tokens]
     }
 
     /// Output tokens so far.
     pub fn num_output_tokens(&self) -> usize {
-        self.tokens.len() - self.spec.prompt_token_ids.len()
+        self.tokens.len() - self.num_prompt_tokens
     }
 
     /// vLLM's async skip rule: the steps in flight reach `max_tokens` even if every draft they

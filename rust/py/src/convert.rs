@@ -29,7 +29,8 @@ fn tokens_from_slice<T: Copy + Into<i64>>(
     values: &[T],
 ) -> PyResult<Vec<u32>> {
     let in_range = |t: &T| (0..=MAX_TOKEN_ID).contains(&(*t).into());
-    if values.iter().all(in_range) {
+    // A fold without early exit: `all` stops at the first failure, which keeps it scalar.
+    if values.iter().fold(true, |ok, t| ok & in_range(t)) {
         return Ok(values.iter().map(|&t| t.into() as u32).collect());
     }
     let (i, &bad) = values
