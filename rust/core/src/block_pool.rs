@@ -40,6 +40,9 @@ pub struct BlockSource<'a> {
     pub parent: u32,
     /// The request's extra keys.
     pub extra: &'a ExtraKeys,
+    /// The fingerprint of the prefix before the first block, if the caller kept it (None:
+    /// taken from the parent's entry, or recomputed from the tokens).
+    pub parent_fingerprint: Option<Fingerprint>,
 }
 
 impl BlockPool {
@@ -165,7 +168,7 @@ impl BlockPool {
             (Some(prov), Some(fp)) => self
                 .prefix
                 .get_all(hash)
-                .find(|&b| prov.matches(b, tokens, fp)),
+                .find(|&b| self.prefix.fingerprint_of(b) == Some(fp) && prov.holds(b, tokens)),
             _ => self.prefix.get_one(hash),
         }
     }
@@ -179,7 +182,9 @@ impl BlockPool {
         fingerprint: Option<Fingerprint>,
     ) -> bool {
         match (&self.provenance, fingerprint) {
-            (Some(prov), Some(fp)) => prov.matches(block, tokens, fp),
+            (Some(prov), Some(fp)) => {
+                self.prefix.fingerprint_of(block) == Some(fp) && prov.holds(block, tokens)
+            }
             _ => true,
         }
     }
@@ -251,22 +256,26 @@ impl BlockPool {
     }
 
     /// Registers `blocks[i]` under `hashes[i]` for every pair. A block already registered
-    /// (under the same hash: it holds the same tokens) is left as it is.
+    /// (under the same hash: it holds the same tokens) is left as it is. Returns the
+    /// fingerprint of the prefix ending with the last block (None when hits are not verified),
+    /// for the caller to pass as the next call's `parent_fingerprint`.
     pub fn cache_full_blocks(
         &mut self,
         blocks: &[u32],
         hashes: &[BlockHash],
         src: BlockSource<'_>,
-    ) {
+    ) -> Option<Fingerprint> {
         if !self.enable_caching {
-            return;
+            return None;
         }
         debug_assert_eq!(blocks.len(), hashes.len());
         let mut fingerprint = self.fingerprint_before(src);
         for (i, (&b, h)) in blocks.iter().zip(hashes).enumerate() {
-            if let Some(prov) = &self.provenance {
+            let tokens = self.provenance.as_ref().map(|prov| {
                 let bs = prov.block_size();
-                let tokens = &src.tokens[(src.first + i) * bs..(src.first + i + 1) * bs];
+                &src.tokens[(src.first + i) * bs..(src.first + i + 1) * bs]
+            });
+            if let (Some(prov), Some(tokens)) = (&self.provenance, tokens) {
                 fingerprint = Some(prov.chain(fingerprint, tokens, src.extra));
             }
             if b == NULL_BLOCK {
@@ -276,24 +285,42 @@ impl BlockPool {
                 debug_assert_eq!(existing, h, "block {b} is re-cached under another hash");
                 continue;
             }
-            if let (Some(prov), Some(fp)) = (&mut self.provenance, fingerprint) {
-                let bs = prov.block_size();
-                let tokens = &src.tokens[(src.first + i) * bs..(src.first + i + 1) * bs];
-                prov.record(b, tokens, fp);
+            if let (Some(prov), Some(tokens)) = (&mut self.provenance, tokens) {
+                prov.record(b, tokens);
             }
-            self.prefix.insert(*h, b);
+            self.prefix.insert(*h, b, fingerprint.unwrap_or(0));
+        }
+        fingerprint
+    }
+
+    /// Prefetches what [`Self::cache_full_blocks`] touches for each pair: the block's prefix
+    /// entry and bucket, and its token copy.
+    pub fn prefetch_cache_lines(&self, blocks: &[u32], hashes: &[BlockHash]) {
+        if !self.enable_caching {
+            return;
+        }
+        for (&b, h) in blocks.iter().zip(hashes) {
+            self.prefix.prefetch_insert(h, b);
+            if let Some(prov) = &self.provenance {
+                prov.prefetch(b);
+            }
         }
     }
 
-    /// The fingerprint of the prefix before `src`'s first block: the parent's, when the parent
-    /// is cached, else recomputed from the request's tokens.
+    /// The fingerprint of the prefix before `src`'s first block: the caller's, else the
+    /// parent's entry when the parent is cached, else recomputed from the request's tokens.
     fn fingerprint_before(&self, src: BlockSource<'_>) -> Option<Fingerprint> {
         let prov = self.provenance.as_ref()?;
         if src.first == 0 {
             return None;
         }
-        if src.parent != NULL_BLOCK && self.prefix.is_registered(src.parent) {
-            return Some(prov.fingerprint_of(src.parent));
+        if src.parent_fingerprint.is_some() {
+            return src.parent_fingerprint;
+        }
+        if src.parent != NULL_BLOCK {
+            if let Some(fp) = self.prefix.fingerprint_of(src.parent) {
+                return Some(fp);
+            }
         }
         let bs = prov.block_size();
         src.tokens[..src.first * bs]
@@ -388,6 +415,7 @@ mod tests {
             first: 0,
             parent: NULL_BLOCK,
             extra: &NO_EXTRA,
+            parent_fingerprint: None,
         }
     }
 

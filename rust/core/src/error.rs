@@ -46,6 +46,7 @@ macro_rules! broken {
 pub(crate) use broken;
 
 /// A vector of `len` copies of `value`, or an error instead of an abort when memory runs out.
+/// Large vectors are backed by huge pages where the OS allows (see [`crate::huge_pages`]).
 pub fn try_filled_vec<T: Clone>(len: usize, value: T, what: &str) -> CoreResult<Vec<T>> {
     let mut v = Vec::new();
     v.try_reserve_exact(len).map_err(|_| {
@@ -53,6 +54,7 @@ pub fn try_filled_vec<T: Clone>(len: usize, value: T, what: &str) -> CoreResult<
             "cannot allocate {what} of {len} entries: out of memory"
         ))
     })?;
+    crate::huge_pages::advise(&v);
     v.resize(len, value);
     Ok(v)
 }

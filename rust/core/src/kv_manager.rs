@@ -8,6 +8,7 @@
 use crate::block_pool::{BlockPool, BlockSource, NULL_BLOCK};
 use crate::error::{invalid, CoreError, CoreResult};
 use crate::hashing::{BlockHash, ExtraKeys};
+use crate::provenance::Fingerprint;
 
 /// Blocks held by one request, in logical order, and how many leading ones are in the prefix cache.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -16,6 +17,9 @@ pub struct RequestBlocks {
     pub block_ids: Vec<u32>,
     /// Leading blocks already registered in the prefix cache (never re-registered).
     pub num_cached_blocks: usize,
+    /// Fingerprint of the prefix those leading blocks hold, when known (hit verification on):
+    /// the next blocks cached chain to it without reading the pool's entry of the last one.
+    pub cached_fingerprint: Option<Fingerprint>,
 }
 
 /// What the manager needs to know about a request's token sequence.
@@ -328,6 +332,7 @@ impl KvCacheManager {
             self.pool.touch(hits);
             req.block_ids.extend_from_slice(hits);
             req.num_cached_blocks = hits.len();
+            req.cached_fingerprint = None;
         }
         let first_new = req.block_ids.len();
         let num_new_blocks = cdiv(need_slot, self.block_size).saturating_sub(first_new);
@@ -336,6 +341,40 @@ impl KvCacheManager {
 
         self.cache_blocks(req, seq, main);
         Ok(Some(first_new))
+    }
+
+    /// The blocks [`Self::cache_blocks`] would register for the same arguments (indices into
+    /// `req.block_ids`).
+    fn blocks_to_cache(
+        &self,
+        req: &RequestBlocks,
+        seq: SequenceView<'_>,
+        num_tokens: usize,
+    ) -> std::ops::Range<usize> {
+        let num_full = (num_tokens.min(seq.num_tokens()) / self.block_size)
+            .min(req.block_ids.len())
+            .min(seq.block_hashes.len());
+        req.num_cached_blocks.min(num_full)..num_full
+    }
+
+    /// Whether [`Self::cache_blocks`] has anything to register for these arguments; if so,
+    /// prefetches the pool lines it will touch, so a later call finds them in cache.
+    pub fn prefetch_cache_blocks(
+        &self,
+        req: &RequestBlocks,
+        seq: SequenceView<'_>,
+        num_tokens: usize,
+    ) -> bool {
+        if !self.pool.caching_enabled() {
+            return false;
+        }
+        let range = self.blocks_to_cache(req, seq, num_tokens);
+        if range.is_empty() {
+            return false;
+        }
+        self.pool
+            .prefetch_cache_lines(&req.block_ids[range.clone()], &seq.block_hashes[range]);
+        true
     }
 
     /// Registers in the prefix cache every block of `req` that is full of known tokens below
@@ -350,14 +389,11 @@ impl KvCacheManager {
         if !self.pool.caching_enabled() {
             return;
         }
-        let bs = self.block_size;
-        let num_full = (num_tokens.min(seq.num_tokens()) / bs)
-            .min(req.block_ids.len())
-            .min(seq.block_hashes.len());
-        if req.num_cached_blocks >= num_full {
+        let range = self.blocks_to_cache(req, seq, num_tokens);
+        if range.is_empty() {
             return;
         }
-        let range = req.num_cached_blocks..num_full;
+        let num_full = range.end;
         let src = BlockSource {
             tokens: seq.tokens,
             first: range.start,
@@ -366,9 +402,13 @@ impl KvCacheManager {
                 .checked_sub(1)
                 .map_or(NULL_BLOCK, |p| req.block_ids[p]),
             extra: seq.extra,
+            parent_fingerprint: req.cached_fingerprint,
         };
-        self.pool
-            .cache_full_blocks(&req.block_ids[range.clone()], &seq.block_hashes[range], src);
+        req.cached_fingerprint = self.pool.cache_full_blocks(
+            &req.block_ids[range.clone()],
+            &seq.block_hashes[range],
+            src,
+        );
         req.num_cached_blocks = num_full;
     }
 
@@ -382,7 +422,10 @@ impl KvCacheManager {
                 self.pool.evict_hash(b);
             }
         }
-        req.num_cached_blocks = req.num_cached_blocks.min(from);
+        if from < req.num_cached_blocks {
+            req.num_cached_blocks = from;
+            req.cached_fingerprint = None;
+        }
     }
 
     /// Releases every block of `req`, tail first, and clears it.
@@ -390,6 +433,7 @@ impl KvCacheManager {
         self.pool.free_blocks(req.block_ids.iter().rev().copied());
         req.block_ids.clear();
         req.num_cached_blocks = 0;
+        req.cached_fingerprint = None;
     }
 
     /// Checks the pool against the block lists of every live request.

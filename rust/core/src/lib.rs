@@ -13,6 +13,7 @@ pub mod error;
 pub mod fault;
 pub mod free_queue;
 pub mod hashing;
+pub mod huge_pages;
 pub mod kv_manager;
 pub mod lookahead;
 pub mod output;

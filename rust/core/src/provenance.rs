@@ -22,7 +22,8 @@ const STACK_TOKENS: usize = 64;
 /// Fingerprint of a token prefix and extra keys.
 pub type Fingerprint = u128;
 
-/// Tokens and prefix fingerprint of every cached block.
+/// The tokens every cached block holds, and the key of the prefix fingerprints (which the
+/// prefix map keeps with each block's hash, in the same cache line).
 #[derive(Debug, Clone)]
 pub struct Provenance {
     block_size: usize,
@@ -30,8 +31,6 @@ pub struct Provenance {
     key: u64,
     /// `[num_blocks * block_size]` tokens each cached block holds.
     tokens: Vec<u32>,
-    /// Fingerprint of the prefix ending with each cached block.
-    fingerprint: Vec<Fingerprint>,
 }
 
 impl Provenance {
@@ -44,7 +43,6 @@ impl Provenance {
             block_size,
             key: seed.finish(),
             tokens: try_filled_vec(num_tokens, 0, "prefix-cache token copies")?,
-            fingerprint: try_filled_vec(num_blocks, 0, "prefix-cache fingerprints")?,
         })
     }
 
@@ -99,23 +97,23 @@ impl Provenance {
         h.digest128()
     }
 
-    /// The fingerprint recorded for cached `block`.
-    pub fn fingerprint_of(&self, block: u32) -> Fingerprint {
-        self.fingerprint[block as usize]
+    /// Prefetches the token copy of `block` (its first line; a block of 16 tokens is one line).
+    pub fn prefetch(&self, block: u32) {
+        if let Some(t) = self.tokens.get(block as usize * self.block_size) {
+            crate::prefetch::read(t);
+        }
     }
 
-    /// Records what `block` holds as it enters the cache.
-    pub fn record(&mut self, block: u32, tokens: &[u32], fingerprint: Fingerprint) {
+    /// Records the tokens `block` holds as it enters the cache.
+    pub fn record(&mut self, block: u32, tokens: &[u32]) {
         let b = block as usize;
         debug_assert_eq!(tokens.len(), self.block_size);
         self.tokens[b * self.block_size..(b + 1) * self.block_size].copy_from_slice(tokens);
-        self.fingerprint[b] = fingerprint;
     }
 
-    /// Whether cached `block` holds exactly `tokens` at the end of the prefix `fingerprint`.
-    pub fn matches(&self, block: u32, tokens: &[u32], fingerprint: Fingerprint) -> bool {
+    /// Whether cached `block` holds exactly `tokens`.
+    pub fn holds(&self, block: u32, tokens: &[u32]) -> bool {
         let b = block as usize;
-        self.fingerprint[b] == fingerprint
-            && self.tokens[b * self.block_size..(b + 1) * self.block_size] == *tokens
+        self.tokens[b * self.block_size..(b + 1) * self.block_size] == *tokens
     }
 }

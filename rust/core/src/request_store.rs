@@ -118,6 +118,17 @@ impl RequestStore {
         s.request.as_mut()
     }
 
+    /// Prefetches the request record in `slot` itself (every cache line of it) without reading
+    /// it: the first stage of [`Self::prefetch`], which reads the record, run further ahead.
+    pub fn prefetch_record(&self, slot: u32) {
+        if let Some(s) = self.slots.get(slot as usize) {
+            let start = (s as *const Slot).cast::<u8>();
+            for offset in (0..std::mem::size_of::<Slot>()).step_by(64) {
+                crate::prefetch::read(start.wrapping_add(offset));
+            }
+        }
+    }
+
     /// Prefetches what a step reads and appends to for the request in `slot`: the tails of
     /// its tokens, block hashes and block ids.
     pub fn prefetch(&self, slot: u32) {

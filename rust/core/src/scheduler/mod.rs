@@ -111,6 +111,8 @@ struct StepScratch {
     /// Position in this step's scheduling order, per scheduled slot.
     rank: Vec<u32>,
     hits: Vec<u32>,
+    /// `update_from_output`'s second pass: (slot, tokens done) of requests with blocks to cache.
+    to_cache: Vec<(u32, usize)>,
 }
 
 impl StepScratch {

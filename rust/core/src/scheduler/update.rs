@@ -76,8 +76,13 @@ impl Scheduler {
         let max_model_len = self.config.max_model_len;
         let cache_at_update = self.config.num_speculative_tokens > 0;
         let mut finished: Vec<(u32, u32, FinishReason)> = Vec::new();
+        let mut to_cache = std::mem::take(&mut self.scratch.to_cache);
+        to_cache.clear();
         let mut start = 0usize;
         for (i, (e, &count)) in step.entries.iter().zip(counts).enumerate() {
+            if let Some(ahead) = step.entries.get(i + 3 * crate::prefetch::DISTANCE) {
+                self.store.prefetch_record(ahead.slot);
+            }
             if let Some(ahead) = step.entries.get(i + crate::prefetch::DISTANCE) {
                 self.store.prefetch(ahead.slot);
             }
@@ -148,14 +153,13 @@ impl Scheduler {
             if (cache_at_update || had_placeholders) && was_running && !stale {
                 // As vLLM 0.33 does with speculative decoding: register the blocks that the
                 // accepted tokens filled now, not at the next allocation, so they stay
-                // cached if the request is preempted or finishes before that.
-                let seq = SequenceView {
-                    tokens: &r.tokens,
-                    block_hashes: &r.block_hashes,
-                    extra: &r.spec.extra,
-                };
+                // cached if the request is preempted or finishes before that. Registered in a
+                // second pass below, in batch order: each registration reads pool lines the
+                // engine's work has evicted, which this pass prefetches for all of them.
                 let done = r.num_computed_tokens.saturating_sub(r.num_in_flight_tokens);
-                self.kv.cache_blocks(&mut r.blocks, seq, done);
+                if self.kv.prefetch_cache_blocks(&r.blocks, r.sequence(), done) {
+                    to_cache.push((e.slot, done));
+                }
             }
             let stop_token = r.stop_token;
             out.updates.push(RequestUpdate {
@@ -169,6 +173,16 @@ impl Scheduler {
                 finished.push((e.rank, e.slot, reason));
             }
         }
+        for &(slot, done) in &to_cache {
+            let r = self.store.get_mut(slot)?;
+            let seq = SequenceView {
+                tokens: &r.tokens,
+                block_hashes: &r.block_hashes,
+                extra: &r.spec.extra,
+            };
+            self.kv.cache_blocks(&mut r.blocks, seq, done);
+        }
+        self.scratch.to_cache = to_cache;
         // Free finished requests in scheduling order, as vLLM does: the order decides the free
         // queue's order and so which blocks later requests get.
         finished.sort_unstable_by_key(|&(rank, _, _)| rank);
