@@ -199,13 +199,27 @@ impl BlockPool {
             )));
         }
         out.reserve(n);
+        let start = out.len();
         for _ in 0..n {
             let Some(b) = self.free.pop_front() else {
                 return Err(broken!("free queue shorter than its length"));
             };
-            self.evict_hash(b);
             self.ref_cnt[b as usize] = 1;
             out.push(b);
+        }
+        let popped = &out[start..];
+        if popped.len() > 1 {
+            // Evicting a reused block's hash reads its prefix entry, then its bucket and chain
+            // neighbours: prefetched in two waves, so a prefill's blocks overlap their misses.
+            for &b in popped {
+                self.prefix.prefetch_entry(b);
+            }
+            for &b in popped {
+                self.prefix.prefetch_remove(b);
+            }
+        }
+        for &b in popped {
+            self.prefix.remove(b);
         }
         Ok(())
     }

@@ -394,6 +394,13 @@ impl KvCacheManager {
             return;
         }
         let num_full = range.end;
+        if range.len() > 1 {
+            // A prefill chunk's blocks: their misses overlap when all are asked for first.
+            self.pool.prefetch_cache_lines(
+                &req.block_ids[range.clone()],
+                &seq.block_hashes[range.clone()],
+            );
+        }
         let src = BlockSource {
             tokens: seq.tokens,
             first: range.start,

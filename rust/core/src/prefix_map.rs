@@ -110,6 +110,30 @@ impl PrefixMap {
         }
     }
 
+    /// Prefetches the entry of `block` (what [`Self::prefetch_remove`] then reads).
+    pub fn prefetch_entry(&self, block: u32) {
+        if let Some(entry) = self.entries.get(block as usize) {
+            crate::prefetch::read(entry);
+        }
+    }
+
+    /// Prefetches what removing `block` touches besides its entry, which this reads: its
+    /// bucket and its chain neighbours' entries.
+    pub fn prefetch_remove(&self, block: u32) {
+        let Some(entry) = self.entries.get(block as usize) else {
+            return;
+        };
+        if entry.next == UNREGISTERED {
+            return;
+        }
+        crate::prefetch::read(&self.buckets[self.bucket_of(&entry.hash)]);
+        for n in [entry.next, entry.prev] {
+            if let Some(e) = self.entries.get(n as usize) {
+                crate::prefetch::read(e);
+            }
+        }
+    }
+
     /// Number of (hash, block) registrations.
     pub fn num_blocks(&self) -> usize {
         self.num_blocks

@@ -388,7 +388,10 @@ impl Scheduler {
         }
         let mut applied = 0;
         let mut start = 0;
-        for (&(slot, generation), &count) in slots.iter().zip(counts) {
+        for (i, (&(slot, generation), &count)) in slots.iter().zip(counts).enumerate() {
+            if let Some(&(ahead, _)) = slots.get(i + crate::prefetch::RECORD_DISTANCE) {
+                self.store.prefetch_record(ahead);
+            }
             let end = start + count as usize;
             if let Some(r) = self.store.get_mut_if_current(slot, generation) {
                 if r.status == RequestStatus::Running && !r.is_prefill_chunk {

@@ -80,7 +80,7 @@ impl Scheduler {
         to_cache.clear();
         let mut start = 0usize;
         for (i, (e, &count)) in step.entries.iter().zip(counts).enumerate() {
-            if let Some(ahead) = step.entries.get(i + 3 * crate::prefetch::DISTANCE) {
+            if let Some(ahead) = step.entries.get(i + crate::prefetch::RECORD_DISTANCE) {
                 self.store.prefetch_record(ahead.slot);
             }
             if let Some(ahead) = step.entries.get(i + crate::prefetch::DISTANCE) {
