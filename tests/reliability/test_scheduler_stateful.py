@@ -625,28 +625,41 @@ def _settings(max_examples: int, step_count: int = 50, **kwargs: Any) -> setting
     )
 
 
+COVERED = (
+    "preemptions",
+    "prefix_hits",
+    "resumed",
+    "drafts_scheduled",
+    "aborted_in_flight",
+    "finished_by_output",
+    "prefix_cache_resets",
+    "resets_with_running",
+    "dropped_in_flight",
+    "preempt_all",
+    "pause:paused_new",
+    "pause:paused_all",
+)
+
+
+def _coverage_gaps() -> List[str]:
+    missing = [what for what in COVERED if SEEN[what] == 0]
+    # Which bad calls get drawn varies from run to run; require a spread of them, not each one.
+    if len({k for k, n in SEEN.items() if k.startswith("bad:") and n > 0}) < 5:
+        missing.append("a spread of bad calls")
+    return missing
+
+
 def test_scheduler_state_machine() -> None:
-    """The correct policy survives random call sequences, and the run covered what matters."""
+    """The correct policy survives random call sequences, and the run covered what matters.
+
+    The sequences are fresh every run. A rare event the random run happened to miss (one in a
+    few runs misses a dropped output in flight) is then covered by a second, derandomized run
+    (the same sequences every time), so the coverage check never fails by chance."""
     SEEN.clear()
     run_state_machine_as_test(SchedulerMachine, settings=_settings(150))
-    for what in (
-        "preemptions",
-        "prefix_hits",
-        "resumed",
-        "drafts_scheduled",
-        "aborted_in_flight",
-        "finished_by_output",
-        "prefix_cache_resets",
-        "resets_with_running",
-        "dropped_in_flight",
-        "preempt_all",
-        "pause:paused_new",
-        "pause:paused_all",
-    ):
-        assert SEEN[what] > 0, (what, SEEN)
-    # Which bad calls get drawn varies from run to run; require a spread of them, not each one.
-    bad_kinds = {k for k, n in SEEN.items() if k.startswith("bad:") and n > 0}
-    assert len(bad_kinds) >= 5, (bad_kinds, SEEN)
+    if _coverage_gaps():
+        run_state_machine_as_test(SchedulerMachine, settings=_settings(150, derandomize=True))
+    assert not _coverage_gaps(), (_coverage_gaps(), SEEN)
 
 
 class LegacyKMachine(SchedulerMachine):

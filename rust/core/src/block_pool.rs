@@ -1,9 +1,11 @@
-//! The block pool: ref counts, the free queue and the prefix-cache map.
+//! The block pool: per-block records (ref counts, prefix-cache entries), the free queue and
+//! the prefix-cache map.
 //!
 //! Block 0 is the null block: never allocated, hashed or freed, so usable = `num_blocks - 1`.
 //! A freed block keeps its hash and stays in the prefix map as an eviction candidate until it is
 //! popped for reuse (which evicts the hash) or adopted again through [`BlockPool::touch`].
 
+use crate::block_meta::BlockMeta;
 use crate::error::{broken, invalid, try_filled_vec, CoreError, CoreResult};
 use crate::free_queue::FreeQueue;
 use crate::hashing::BlockHash;
@@ -17,7 +19,8 @@ pub const NULL_BLOCK: u32 = 0;
 /// Fixed set of KV-cache blocks with ref counts, a free queue in eviction order and a prefix map.
 #[derive(Debug, Clone)]
 pub struct BlockPool {
-    ref_cnt: Vec<u32>,
+    /// Per block: ref count, and hash, fingerprint and chain links while cached.
+    meta: Vec<BlockMeta>,
     free: FreeQueue,
     /// Hash -> cached blocks, and the hash each cached block carries.
     prefix: PrefixMap,
@@ -57,7 +60,7 @@ impl BlockPool {
             return Err(invalid!("num_blocks {num_blocks} is too large"));
         }
         Ok(Self {
-            ref_cnt: try_filled_vec(num_blocks, 0, "block ref counts")?,
+            meta: try_filled_vec(num_blocks, BlockMeta::EMPTY, "block records")?,
             free: FreeQueue::try_new(num_blocks, 1..num_blocks as u32)?,
             prefix: PrefixMap::try_new(if enable_caching { num_blocks } else { 0 })?,
             enable_caching,
@@ -89,12 +92,12 @@ impl BlockPool {
 
     /// Total blocks including the null block.
     pub fn num_blocks(&self) -> usize {
-        self.ref_cnt.len()
+        self.meta.len()
     }
 
     /// Blocks that can ever be allocated (`num_blocks - 1`).
     pub fn num_usable_blocks(&self) -> usize {
-        self.ref_cnt.len() - 1
+        self.meta.len() - 1
     }
 
     /// Blocks in the free queue (free or evictable cached).
@@ -114,12 +117,12 @@ impl BlockPool {
 
     /// Ref count of `block`.
     pub fn ref_count(&self, block: u32) -> u32 {
-        self.ref_cnt[block as usize]
+        self.meta[block as usize].ref_cnt
     }
 
     /// Hash of `block`, if it is registered in the prefix cache.
     pub fn block_hash(&self, block: u32) -> Option<&BlockHash> {
-        self.prefix.hash_of(block)
+        self.prefix.hash_of(&self.meta, block)
     }
 
     /// Number of (hash, block) registrations in the prefix cache.
@@ -137,7 +140,7 @@ impl BlockPool {
         if !self.enable_caching {
             return None;
         }
-        self.prefix.get_one(hash)
+        self.prefix.get_one(&self.meta, hash)
     }
 
     /// The fingerprint of a prefix ending with a block of `tokens` (see
@@ -167,9 +170,9 @@ impl BlockPool {
         match (&self.provenance, fingerprint) {
             (Some(prov), Some(fp)) => self
                 .prefix
-                .get_all(hash)
-                .find(|&b| self.prefix.fingerprint_of(b) == Some(fp) && prov.holds(b, tokens)),
-            _ => self.prefix.get_one(hash),
+                .get_all(&self.meta, hash)
+                .find(|&b| self.meta[b as usize].fingerprint == fp && prov.holds(b, tokens)),
+            _ => self.prefix.get_one(&self.meta, hash),
         }
     }
 
@@ -183,7 +186,8 @@ impl BlockPool {
     ) -> bool {
         match (&self.provenance, fingerprint) {
             (Some(prov), Some(fp)) => {
-                self.prefix.fingerprint_of(block) == Some(fp) && prov.holds(block, tokens)
+                self.prefix.fingerprint_of(&self.meta, block) == Some(fp)
+                    && prov.holds(block, tokens)
             }
             _ => true,
         }
@@ -204,7 +208,7 @@ impl BlockPool {
             let Some(b) = self.free.pop_front() else {
                 return Err(broken!("free queue shorter than its length"));
             };
-            self.ref_cnt[b as usize] = 1;
+            self.meta[b as usize].ref_cnt = 1;
             out.push(b);
         }
         let popped = &out[start..];
@@ -212,14 +216,14 @@ impl BlockPool {
             // Evicting a reused block's hash reads its prefix entry, then its bucket and chain
             // neighbours: prefetched in two waves, so a prefill's blocks overlap their misses.
             for &b in popped {
-                self.prefix.prefetch_entry(b);
+                crate::prefetch::read(&self.meta[b as usize]);
             }
             for &b in popped {
-                self.prefix.prefetch_remove(b);
+                self.prefix.prefetch_remove(&self.meta, b);
             }
         }
         for &b in popped {
-            self.prefix.remove(b);
+            self.prefix.remove(&mut self.meta, b);
         }
         Ok(())
     }
@@ -230,10 +234,10 @@ impl BlockPool {
             if b == NULL_BLOCK {
                 continue;
             }
-            if self.ref_cnt[b as usize] == 0 {
+            if self.meta[b as usize].ref_cnt == 0 {
                 self.free.remove(b);
             }
-            self.ref_cnt[b as usize] += 1;
+            self.meta[b as usize].ref_cnt += 1;
         }
     }
 
@@ -248,7 +252,7 @@ impl BlockPool {
             if b == NULL_BLOCK {
                 continue;
             }
-            let rc = &mut self.ref_cnt[b as usize];
+            let rc = &mut self.meta[b as usize].ref_cnt;
             if *rc == 0 {
                 // A double free (a bug in the caller): ignoring it keeps the free queue sound.
                 debug_assert!(false, "double free of block {b}");
@@ -256,7 +260,7 @@ impl BlockPool {
             }
             *rc -= 1;
             if *rc == 0 {
-                if self.prefix.is_registered(b) {
+                if self.prefix.is_registered(&self.meta, b) {
                     self.free.push_back(b);
                 } else {
                     reuse_first.push(b);
@@ -295,14 +299,15 @@ impl BlockPool {
             if b == NULL_BLOCK {
                 continue;
             }
-            if let Some(existing) = self.prefix.hash_of(b) {
+            if let Some(existing) = self.prefix.hash_of(&self.meta, b) {
                 debug_assert_eq!(existing, h, "block {b} is re-cached under another hash");
                 continue;
             }
             if let (Some(prov), Some(tokens)) = (&mut self.provenance, tokens) {
                 prov.record(b, tokens);
             }
-            self.prefix.insert(*h, b, fingerprint.unwrap_or(0));
+            self.prefix
+                .insert(&mut self.meta, *h, b, fingerprint.unwrap_or(0));
         }
         fingerprint
     }
@@ -314,7 +319,10 @@ impl BlockPool {
             return;
         }
         for (&b, h) in blocks.iter().zip(hashes) {
-            self.prefix.prefetch_insert(h, b);
+            self.prefix.prefetch_bucket(h);
+            if let Some(m) = self.meta.get(b as usize) {
+                crate::prefetch::read(m);
+            }
             if let Some(prov) = &self.provenance {
                 prov.prefetch(b);
             }
@@ -332,7 +340,7 @@ impl BlockPool {
             return src.parent_fingerprint;
         }
         if src.parent != NULL_BLOCK {
-            if let Some(fp) = self.prefix.fingerprint_of(src.parent) {
+            if let Some(fp) = self.prefix.fingerprint_of(&self.meta, src.parent) {
                 return Some(fp);
             }
         }
@@ -344,7 +352,7 @@ impl BlockPool {
 
     /// Evicts `block`'s hash from the prefix cache if it is registered; returns whether it was.
     pub fn evict_hash(&mut self, block: u32) -> bool {
-        self.prefix.remove(block).is_some()
+        self.prefix.remove(&mut self.meta, block).is_some()
     }
 
     /// Empties the prefix cache. Fails (returns false, changes nothing) while any block is held.
@@ -352,7 +360,7 @@ impl BlockPool {
         if self.free.len() != self.num_usable_blocks() {
             return false;
         }
-        self.prefix.clear();
+        self.prefix.clear(&mut self.meta);
         true
     }
 
@@ -360,10 +368,10 @@ impl BlockPool {
     /// (pass `None` to skip the ref-count cross-check).
     pub fn check_invariants(&self, holders: Option<&[u32]>) -> CoreResult<()> {
         let n = self.num_blocks();
-        if self.ref_cnt[NULL_BLOCK as usize] != 0 || self.free.contains(NULL_BLOCK) {
+        if self.meta[NULL_BLOCK as usize].ref_cnt != 0 || self.free.contains(NULL_BLOCK) {
             return Err(broken!("null block is referenced or free"));
         }
-        if self.prefix.is_registered(NULL_BLOCK) {
+        if self.prefix.is_registered(&self.meta, NULL_BLOCK) {
             return Err(broken!("null block is hashed"));
         }
         let mut seen = vec![false; n];
@@ -383,7 +391,7 @@ impl BlockPool {
         }
         let mut used = 0;
         for b in 1..n {
-            let rc = self.ref_cnt[b];
+            let rc = self.meta[b].ref_cnt;
             if seen[b] == (rc > 0) {
                 return Err(broken!(
                     "block {b}: ref count {rc} but in free queue = {}",
@@ -409,7 +417,7 @@ impl BlockPool {
                 self.num_usable_blocks()
             ));
         }
-        self.prefix.check()?;
+        self.prefix.check(&self.meta)?;
         Ok(())
     }
 }

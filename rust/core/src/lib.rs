@@ -6,6 +6,7 @@
 //! crate wraps these types for Python.
 
 pub mod batch_rows;
+pub mod block_meta;
 pub mod block_pool;
 pub mod block_table;
 pub mod config;
