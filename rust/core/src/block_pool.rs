@@ -329,6 +329,16 @@ impl BlockPool {
         }
     }
 
+    /// Second wave after [`Self::prefetch_cache_lines`]: prefetches the records the new
+    /// registrations link after (their buckets' last blocks), reading the buckets.
+    pub fn prefetch_cache_chains(&self, hashes: &[BlockHash]) {
+        if self.enable_caching {
+            for h in hashes {
+                self.prefix.prefetch_chain_tail(&self.meta, h);
+            }
+        }
+    }
+
     /// The fingerprint of the prefix before `src`'s first block: the caller's, else the
     /// parent's entry when the parent is cached, else recomputed from the request's tokens.
     fn fingerprint_before(&self, src: BlockSource<'_>) -> Option<Fingerprint> {

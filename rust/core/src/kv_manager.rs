@@ -402,6 +402,20 @@ impl KvCacheManager {
         true
     }
 
+    /// The second wave after [`Self::prefetch_cache_blocks`] for the same arguments: the
+    /// records the registrations will link after.
+    pub fn prefetch_cache_chains(
+        &self,
+        req: &RequestBlocks,
+        seq: SequenceView<'_>,
+        num_tokens: usize,
+    ) {
+        if self.pool.caching_enabled() {
+            let range = self.blocks_to_cache(req, seq, num_tokens);
+            self.pool.prefetch_cache_chains(&seq.block_hashes[range]);
+        }
+    }
+
     /// Registers in the prefix cache every block of `req` that is full of known tokens below
     /// `num_tokens` (whose KV is, or is being, computed) and not registered yet. Never drafts or
     /// lookahead slots.
@@ -425,6 +439,8 @@ impl KvCacheManager {
                 &req.block_ids[range.clone()],
                 &seq.block_hashes[range.clone()],
             );
+            self.pool
+                .prefetch_cache_chains(&seq.block_hashes[range.clone()]);
         }
         let src = BlockSource {
             tokens: seq.tokens,

@@ -89,6 +89,16 @@ impl PrefixMap {
         }
     }
 
+    /// Prefetches the record of the block a registration under `hash` links after (its
+    /// bucket's last block), reading the bucket: the second wave after [`Self::prefetch_bucket`].
+    pub fn prefetch_chain_tail(&self, meta: &[BlockMeta], hash: &BlockHash) {
+        if let Some(last) = self.buckets.get(self.bucket_of(hash)).map(|c| c.last) {
+            if let Some(m) = meta.get(last as usize) {
+                crate::prefetch::read(m);
+            }
+        }
+    }
+
     /// Prefetches what removing `block` touches besides its record, which this reads: its
     /// bucket and its chain neighbours' records.
     pub fn prefetch_remove(&self, meta: &[BlockMeta], block: u32) {

@@ -174,6 +174,10 @@ impl Scheduler {
             }
         }
         for &(slot, done) in &to_cache {
+            let r = self.store.get(slot)?;
+            self.kv.prefetch_cache_chains(&r.blocks, r.sequence(), done);
+        }
+        for &(slot, done) in &to_cache {
             let r = self.store.get_mut(slot)?;
             let seq = SequenceView {
                 tokens: &r.tokens,
