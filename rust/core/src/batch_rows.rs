@@ -56,6 +56,11 @@ impl BatchRows {
         store.set_row(slot, Some(row as u32));
     }
 
+    /// Prefetches where the next [`Self::append`] to `row` writes.
+    pub fn prefetch_append(&self, row: usize) {
+        self.table.prefetch_append(row);
+    }
+
     /// Appends newly allocated blocks to `row`.
     pub fn append(&mut self, row: usize, blocks: &[u32]) {
         self.table.append(row, blocks);

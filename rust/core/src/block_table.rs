@@ -62,6 +62,16 @@ impl BlockTable {
         &self.table[row * self.width..(row + 1) * self.width]
     }
 
+    /// Prefetches where the next [`Self::append`] to `row` writes (nothing for a row out of
+    /// range).
+    pub fn prefetch_append(&self, row: usize) {
+        if let Some(&count) = self.counts.get(row) {
+            if let Some(dst) = self.table.get(row * self.width + count as usize) {
+                crate::prefetch::read(dst);
+            }
+        }
+    }
+
     /// Appends block ids to `row` after its current count.
     pub fn append(&mut self, row: usize, blocks: &[u32]) {
         let count = self.counts[row] as usize;

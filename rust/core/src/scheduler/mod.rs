@@ -448,6 +448,9 @@ impl Scheduler {
         let max_model_len = self.config.max_model_len;
         let mut index = 0;
         while index < self.running.len() && *budget > 0 {
+            // Running order mostly follows row order: the row a few requests ahead is where a
+            // new block of theirs will be written (a hint; a wrong row costs nothing).
+            self.rows.prefetch_append(index + crate::prefetch::DISTANCE);
             let slot = self.running[index];
             let r = self.store.get(slot)?;
             if r.in_flight_reaches_max_tokens() {
