@@ -168,10 +168,10 @@ impl BlockPool {
             return None;
         }
         match (&self.provenance, fingerprint) {
-            (Some(prov), Some(fp)) => self
+            (Some(_), Some(_)) => self
                 .prefix
                 .get_all(&self.meta, hash)
-                .find(|&b| self.meta[b as usize].fingerprint == fp && prov.holds(b, tokens)),
+                .find(|&b| self.hit_matches(b, tokens, fingerprint)),
             _ => self.prefix.get_one(&self.meta, hash),
         }
     }

@@ -74,9 +74,6 @@ pub struct PrefixCacheStats {
 pub struct KvCacheManager {
     pool: BlockPool,
     block_size: usize,
-    /// `log2(block_size)` when it is a power of two: block counts by shift, not division
-    /// (several per request per step).
-    block_shift: Option<u32>,
     max_model_len: usize,
     stats: PrefixCacheStats,
 }
@@ -105,9 +102,6 @@ impl KvCacheManager {
         Ok(Self {
             pool,
             block_size,
-            block_shift: block_size
-                .is_power_of_two()
-                .then(|| block_size.trailing_zeros()),
             max_model_len,
             stats: PrefixCacheStats::default(),
         })
@@ -123,24 +117,6 @@ impl KvCacheManager {
     /// Tokens per block.
     pub fn block_size(&self) -> usize {
         self.block_size
-    }
-
-    /// Full blocks in `num_tokens` tokens.
-    fn full_blocks(&self, num_tokens: usize) -> usize {
-        match self.block_shift {
-            Some(shift) => num_tokens >> shift,
-            None => num_tokens / self.block_size,
-        }
-    }
-
-    /// Blocks that hold `num_tokens` tokens: `cdiv(num_tokens, block_size)`.
-    fn blocks_for(&self, num_tokens: usize) -> usize {
-        match self.block_shift {
-            Some(shift) => {
-                (num_tokens >> shift) + usize::from(num_tokens & (self.block_size - 1) != 0)
-            }
-            None => num_tokens.div_ceil(self.block_size),
-        }
     }
 
     /// Longest sequence a request may reach.
@@ -182,7 +158,7 @@ impl KvCacheManager {
             return 0;
         }
         let bs = self.block_size;
-        let max_hit_blocks = self.full_blocks(num_tokens - 1).min(seq.block_hashes.len());
+        let max_hit_blocks = ((num_tokens - 1) / bs).min(seq.block_hashes.len());
         let mut fingerprint = None;
         for (i, hash) in seq.block_hashes[..max_hit_blocks].iter().enumerate() {
             let tokens = &seq.tokens[i * bs..(i + 1) * bs];
@@ -206,7 +182,7 @@ impl KvCacheManager {
         hits: &[u32],
         num_slot_tokens: usize,
     ) -> usize {
-        let required = self.blocks_for(num_slot_tokens);
+        let required = cdiv(num_slot_tokens, self.block_size);
         if !req.block_ids.is_empty() {
             return required.saturating_sub(req.block_ids.len());
         }
@@ -288,7 +264,7 @@ impl KvCacheManager {
             }
         }
         if self.pool.caching_enabled() {
-            let to_cache = self.full_blocks(end.min(seq.num_tokens()));
+            let to_cache = end.min(seq.num_tokens()) / bs;
             if to_cache > seq.block_hashes.len() {
                 return Err(invalid!(
                     "sequence has {} block hashes but {to_cache} full blocks to cache",
@@ -359,7 +335,7 @@ impl KvCacheManager {
             req.cached_fingerprint = None;
         }
         let first_new = req.block_ids.len();
-        let num_new_blocks = self.blocks_for(need_slot).saturating_sub(first_new);
+        let num_new_blocks = cdiv(need_slot, self.block_size).saturating_sub(first_new);
         self.pool
             .get_new_blocks(num_new_blocks, &mut req.block_ids)?;
 
@@ -375,8 +351,7 @@ impl KvCacheManager {
         seq: SequenceView<'_>,
         num_tokens: usize,
     ) -> std::ops::Range<usize> {
-        let num_full = self
-            .full_blocks(num_tokens.min(seq.num_tokens()))
+        let num_full = (num_tokens.min(seq.num_tokens()) / self.block_size)
             .min(req.block_ids.len())
             .min(seq.block_hashes.len());
         req.num_cached_blocks.min(num_full)..num_full

@@ -235,23 +235,6 @@ impl PrefixMap {
         self.num_blocks = 0;
     }
 
-    /// Every (hash, block) registration reachable from the buckets, chain by chain.
-    pub fn iter<'a>(
-        &'a self,
-        meta: &'a [BlockMeta],
-    ) -> impl Iterator<Item = (&'a BlockHash, u32)> + 'a {
-        self.buckets.iter().flat_map(move |c| {
-            let mut cur = c.first;
-            std::iter::from_fn(move || {
-                (cur != END && cur != UNREGISTERED).then(|| {
-                    let b = cur;
-                    cur = meta[b as usize].chain_next;
-                    (&meta[b as usize].hash, b)
-                })
-            })
-        })
-    }
-
     /// Checks the chains: each registered block is reached exactly once, from the bucket of
     /// its own hash, with `chain_prev` mirroring `chain_next` and the buckets' ends matching
     /// the chains'.

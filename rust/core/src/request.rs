@@ -197,8 +197,7 @@ impl Request {
     ) -> Option<FinishReason> {
         self.tokens.push(token);
         if let Some(h) = hasher {
-            // A comparison, not `len % block_size == 0`: a division per sampled token.
-            if self.tokens.len() >= (self.block_hashes.len() + 1) * h.block_size() {
+            if self.tokens.len() % h.block_size() == 0 {
                 h.extend_hashes(&mut self.block_hashes, &self.tokens, &self.spec.extra);
             }
         }
