@@ -164,6 +164,22 @@ def _arrive(offline: Any, rid: str, step: int, engines: Any) -> None:
         engine.scheduler.add_request(req)
 
 
+def _step_lockstep(p: TraceParams, step: int, ev: Any, ed: Any, vex: Any, dex: Any) -> tuple:
+    """Runs one ``step_with_batch_queue`` of vLLM's engine and of ours and checks that they
+    executed the same SchedulerOutput (if either executed one) and returned the same outputs.
+    Returns vLLM's outputs and whether a new SchedulerOutput was executed."""
+    seen = len(vex.seen)
+    a, executed_v = ev.step_with_batch_queue()
+    b, executed_d = ed.step_with_batch_queue()
+    assert len(dex.seen) == len(vex.seen)
+    executed_new = len(vex.seen) > seen
+    if executed_new:
+        compare_outputs(p, step, vex.seen[-1], dex.seen[-1])
+    assert (_norm(b), executed_d) == (_norm(a), executed_v), step
+    ed.scheduler.core.check_invariants()
+    return a, executed_new
+
+
 def test_vllm_selects_the_drop_in_with_async_scheduling(offline: Any) -> None:
     cfg, _ = _configs(offline, "dflash", 48)
     assert cfg.scheduler_config.async_scheduling
@@ -199,14 +215,7 @@ def test_engine_async_loop_matches_async_scheduler(offline: Any, method: str) ->
             if step > max(arrivals):
                 break
             continue
-        seen = len(vex.seen)
-        a, executed_v = ev.step_with_batch_queue()
-        b, executed_d = ed.step_with_batch_queue()
-        assert len(dex.seen) == len(vex.seen)
-        if len(vex.seen) > seen:
-            compare_outputs(p, step, vex.seen[-1], dex.seen[-1])
-        assert (_norm(b), executed_d) == (_norm(a), executed_v), step
-        ed.scheduler.core.check_invariants()
+        a, _ = _step_lockstep(p, step, ev, ed, vex, dex)
         for eco in (a or {}).values():
             finished |= {o.request_id for o in eco.outputs if o.finish_reason is not None}
     assert not ev.scheduler.has_requests() and not ed.scheduler.has_requests()
@@ -282,16 +291,10 @@ def test_engine_pause_and_resume_match_async_scheduler(
             if step > max(arrivals | dict.fromkeys(resumes)):
                 break
             continue
-        seen = len(vex.seen)
-        a, executed_v = ev.step_with_batch_queue()
-        b, executed_d = ed.step_with_batch_queue()
-        assert len(dex.seen) == len(vex.seen)
-        if len(vex.seen) > seen:
-            compare_outputs(p, step, vex.seen[-1], dex.seen[-1])
+        _, executed_new = _step_lockstep(p, step, ev, ed, vex, dex)
+        if executed_new:
             paused_new = ev.scheduler.pause_state == PauseState.PAUSED_NEW
             held_back += paused_new and bool(ev.scheduler.get_request_counts()[1])
-        assert (_norm(b), executed_d) == (_norm(a), executed_v), step
-        ed.scheduler.core.check_invariants()
     assert not ev.scheduler.has_requests() and not ed.scheduler.has_requests()
     if mode == "keep":  # the resets preempted running requests
         assert set().union(*(so.preempted_req_ids for so in vex.seen))
