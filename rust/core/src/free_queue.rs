@@ -1,33 +1,33 @@
-//! The free-block queue: an intrusive doubly-linked list over an index array.
+//! The free-block queue: blocks in eviction order in a ring of block ids, with holes.
 //!
-//! Order is eviction order: the head is reused first. Every operation is O(1) per block and
-//! allocates nothing. Two sentinel nodes (head and tail) sit after the real blocks so every real
-//! node always has both neighbours. A block's two links share one 8-byte node, so linking or
-//! unlinking it touches one cache line, not one per link array.
-
-/// Link value of a block that is not in the queue.
-const UNLINKED: u32 = u32::MAX;
+//! Order is eviction order: the head is reused first. Popping reads the ring front to back, so
+//! a prefill that takes hundreds of blocks reads consecutive ids, instead of following one
+//! cold link per block as a linked list does. Removing a block from the middle (a prefix-cache
+//! hit adopting an evictable block) leaves a hole that popping skips; each block's position is
+//! kept so removal is O(1). When holes fill the ring, it is compacted in place, which costs
+//! O(ring) at most once per `ring - num_blocks` removals. Nothing allocates after creation.
 
 use crate::error::{try_filled_vec, CoreResult};
+
+/// A ring entry left by a removed block.
+const HOLE: u32 = u32::MAX;
 
 /// Free blocks in eviction order.
 #[derive(Debug, Clone)]
 pub struct FreeQueue {
-    nodes: Vec<Node>,
+    /// Queued blocks and holes at ring indices `head..tail` (wrapping, `ring.len()` a power of
+    /// two of at least twice the blocks).
+    ring: Vec<u32>,
+    /// Per block: its ring index when it was last queued. Valid while the block is queued: a
+    /// block is queued exactly when its entry lies in `head..tail` and still holds it.
+    pos: Vec<u32>,
+    /// Logical index of the first entry (wrapping; the ring index is `head & mask`).
+    head: usize,
+    /// Logical index one past the last entry.
+    tail: usize,
+    /// Queued blocks (entries that are not holes).
     len: usize,
 }
-
-/// A block's links: previous and next block in the queue, or [`UNLINKED`] both.
-#[derive(Debug, Clone, Copy)]
-struct Node {
-    prev: u32,
-    next: u32,
-}
-
-const NOT_QUEUED: Node = Node {
-    prev: UNLINKED,
-    next: UNLINKED,
-};
 
 impl FreeQueue {
     /// A queue over block ids `0..num_blocks`, holding `initial` in the given order.
@@ -37,26 +37,22 @@ impl FreeQueue {
 
     /// Like [`Self::new`], but reports an allocation failure instead of aborting.
     pub fn try_new(num_blocks: usize, initial: impl IntoIterator<Item = u32>) -> CoreResult<Self> {
-        let head = num_blocks as u32;
-        let tail = head + 1;
+        let capacity = (2 * num_blocks).max(2).next_power_of_two();
         let mut q = Self {
-            nodes: try_filled_vec(num_blocks + 2, NOT_QUEUED, "the free queue")?,
+            ring: try_filled_vec(capacity, HOLE, "the free queue")?,
+            pos: try_filled_vec(num_blocks, 0, "the free queue's positions")?,
+            head: 0,
+            tail: 0,
             len: 0,
         };
-        q.nodes[head as usize].next = tail;
-        q.nodes[tail as usize].prev = head;
         for b in initial {
             q.push_back(b);
         }
         Ok(q)
     }
 
-    fn head(&self) -> u32 {
-        (self.nodes.len() - 2) as u32
-    }
-
-    fn tail(&self) -> u32 {
-        (self.nodes.len() - 1) as u32
+    fn mask(&self) -> usize {
+        self.ring.len() - 1
     }
 
     /// Number of blocks in the queue.
@@ -71,78 +67,107 @@ impl FreeQueue {
 
     /// Whether `block` is in the queue.
     pub fn contains(&self, block: u32) -> bool {
-        self.nodes[block as usize].next != UNLINKED
+        let Some(&at) = self.pos.get(block as usize) else {
+            return false;
+        };
+        let at = at as usize;
+        let offset = at.wrapping_sub(self.head) & self.mask();
+        offset < self.tail.wrapping_sub(self.head) && self.ring[at] == block
     }
 
     /// The block that would be popped first.
     pub fn front(&self) -> Option<u32> {
-        let first = self.nodes[self.head() as usize].next;
-        (first != self.tail()).then_some(first)
+        self.iter().next()
     }
 
     /// Detaches and returns the head block.
     pub fn pop_front(&mut self) -> Option<u32> {
-        let first = self.front()?;
-        self.unlink(first);
-        Some(first)
+        if self.len == 0 {
+            return None;
+        }
+        let mask = self.mask();
+        loop {
+            // `len > 0`, so a queued block lies before `tail`.
+            let b = self.ring[self.head & mask];
+            self.head = self.head.wrapping_add(1);
+            if b != HOLE {
+                self.len -= 1;
+                if self.len == 0 {
+                    self.head = self.tail; // drop the holes behind it
+                }
+                return Some(b);
+            }
+        }
     }
 
-    /// Unlinks `block` from anywhere in the queue. The caller guarantees it is linked.
+    /// Unlinks `block` from anywhere in the queue. The caller guarantees it is queued.
     pub fn remove(&mut self, block: u32) {
         debug_assert!(
             self.contains(block),
             "block {block} is not in the free queue"
         );
-        self.unlink(block);
+        let at = self.pos[block as usize] as usize;
+        self.ring[at] = HOLE;
+        self.len -= 1;
     }
 
-    /// Links `block` at the tail (reused last).
+    /// Queues `block` at the tail (reused last).
     pub fn push_back(&mut self, block: u32) {
-        let tail = self.tail();
-        let last = self.nodes[tail as usize].prev;
-        self.link_between(block, last, tail);
-    }
-
-    /// Links `block` at the head (reused first).
-    pub fn push_front(&mut self, block: u32) {
-        let head = self.head();
-        let first = self.nodes[head as usize].next;
-        self.link_between(block, head, first);
-    }
-
-    /// Iterates from head (next to be reused) to tail.
-    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        let tail = self.tail();
-        let mut cur = self.nodes[self.head() as usize].next;
-        std::iter::from_fn(move || {
-            if cur == tail {
-                return None;
-            }
-            let b = cur;
-            cur = self.nodes[cur as usize].next;
-            Some(b)
-        })
-    }
-
-    fn link_between(&mut self, block: u32, before: u32, after: u32) {
         debug_assert!(
             !self.contains(block),
             "block {block} is already in the free queue"
         );
-        self.nodes[block as usize] = Node {
-            prev: before,
-            next: after,
-        };
-        self.nodes[before as usize].next = block;
-        self.nodes[after as usize].prev = block;
+        self.make_room();
+        let at = self.tail & self.mask();
+        self.ring[at] = block;
+        self.pos[block as usize] = at as u32;
+        self.tail = self.tail.wrapping_add(1);
         self.len += 1;
     }
 
-    fn unlink(&mut self, block: u32) {
-        let Node { prev, next } = std::mem::replace(&mut self.nodes[block as usize], NOT_QUEUED);
-        self.nodes[prev as usize].next = next;
-        self.nodes[next as usize].prev = prev;
-        self.len -= 1;
+    /// Queues `block` at the head (reused first).
+    pub fn push_front(&mut self, block: u32) {
+        debug_assert!(
+            !self.contains(block),
+            "block {block} is already in the free queue"
+        );
+        self.make_room();
+        self.head = self.head.wrapping_sub(1);
+        let at = self.head & self.mask();
+        self.ring[at] = block;
+        self.pos[block as usize] = at as u32;
+        self.len += 1;
+    }
+
+    /// Iterates from head (next to be reused) to tail.
+    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        let mask = self.mask();
+        (0..self.tail.wrapping_sub(self.head))
+            .map(move |i| self.ring[self.head.wrapping_add(i) & mask])
+            .filter(|&b| b != HOLE)
+    }
+
+    /// Compacts the entries when the ring is full (of holes: it has room for every block
+    /// twice), keeping their order.
+    fn make_room(&mut self) {
+        if self.tail.wrapping_sub(self.head) < self.ring.len() {
+            return;
+        }
+        let mask = self.mask();
+        let mut write = self.head;
+        let mut read = self.head;
+        while read != self.tail {
+            let b = self.ring[read & mask];
+            read = read.wrapping_add(1);
+            if b != HOLE {
+                let at = write & mask;
+                self.ring[at] = b;
+                self.pos[b as usize] = at as u32;
+                write = write.wrapping_add(1);
+            }
+        }
+        self.tail = write;
+        debug_assert_eq!(self.tail.wrapping_sub(self.head), self.len);
     }
 }
 
@@ -155,7 +180,7 @@ mod tests {
     }
 
     #[test]
-    fn pop_remove_append_keep_links() {
+    fn pop_remove_append_keep_order() {
         let mut q = FreeQueue::new(5, 0..5);
         assert_eq!(q.pop_front(), Some(0));
         q.remove(2);
@@ -182,5 +207,35 @@ mod tests {
         let popped: Vec<u32> = std::iter::from_fn(|| q.pop_front()).collect();
         assert_eq!(popped, [1, 3, 5, 4, 0, 2]);
         assert!((0..6).all(|b| !q.contains(b)));
+    }
+
+    #[test]
+    fn holes_are_compacted_in_order() {
+        // 4 blocks in a ring of 8: removing and re-adding from the middle fills it with holes.
+        let mut q = FreeQueue::new(4, 0..4);
+        for round in 0..50 {
+            let b = [1, 2][round % 2];
+            q.remove(b);
+            q.push_back(b);
+            assert_eq!(q.len(), 4);
+            assert!((0..4).all(|b| q.contains(b)));
+        }
+        assert_eq!(items(&q), [0, 3, 1, 2]);
+        q.remove(2);
+        q.push_front(2);
+        assert_eq!(items(&q), [2, 0, 3, 1]);
+        let popped: Vec<u32> = std::iter::from_fn(|| q.pop_front()).collect();
+        assert_eq!(popped, [2, 0, 3, 1]);
+        assert!((0..4).all(|b| !q.contains(b)));
+    }
+
+    #[test]
+    fn stale_positions_do_not_count_as_queued() {
+        // Block 0 popped, block 1 later reuses its ring entry: 0 must not look queued.
+        let mut q = FreeQueue::new(2, [0]);
+        assert_eq!(q.pop_front(), Some(0));
+        q.push_front(1);
+        assert!(q.contains(1));
+        assert!(!q.contains(0));
     }
 }
