@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Alternated A/B of `_core` builds: the per-step cost of each, measured run by run in turn.
+
+This host's speed drifts by up to 30% within minutes, so two builds measured one after the other
+differ by more than most changes do. This script runs `scheduler_bench.py` once per build per
+round, rotating which build goes first, and reports each build's median and, for every build
+after the first, the median of its paired ratios to the first build (same round) with a 95%
+bootstrap interval. Pass the same build twice for an A/A check of the noise.
+
+Each build runs from its own copy of the package (the `_core` given, everything else from
+`python/dflash_rs`), so rebuilding the editable extension mid-run changes nothing.
+
+Example (decode at N = 1024, 30 rounds):
+
+  .venv/bin/python benches/ab_builds.py /tmp/before.so /tmp/after.so --rounds 30 \\
+      -- --n-reqs 1024 --modes decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+PACKAGE = os.path.join(REPO, "python", "dflash_rs")
+BENCH = os.path.join(HERE, "scheduler_bench.py")
+PHASES = ("schedule_p50_us", "update_p50_us", "drafts_p50_us", "total_p50_us")
+FIXED = ["--paths", "arrays", "--reps", "1", "--clock", "cpu", "--preempt-n", "0"]
+
+
+def snapshot(so: str, root: str, index: int) -> str:
+    """A copy of the package with `so` as its extension; returns the directory to put on
+    PYTHONPATH."""
+    dst = os.path.join(root, f"build{index}")
+    shutil.copytree(
+        PACKAGE,
+        os.path.join(dst, "dflash_rs"),
+        ignore=shutil.ignore_patterns("__pycache__", "_core*.so"),
+    )
+    shutil.copy(so, os.path.join(dst, "dflash_rs", "_core.abi3.so"))
+    return dst
+
+
+def sha16(path: str) -> str:
+    """The first 16 hex digits of a file's sha256 (as scheduler_bench reports its core)."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def run_once(
+    path: str, bench_args: list[str], out: str, expect_core: str
+) -> dict[tuple[str, int], dict]:
+    """One scheduler_bench run against the package in `path`: {(mode, n): aggregate row}."""
+    env = dict(os.environ, PYTHONPATH=path, OPENBLAS_NUM_THREADS="1")
+    cmd = [sys.executable, BENCH, *FIXED, "--micro-iters", "0", *bench_args, "--json", out]
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, cwd="/")
+    with open(out) as f:
+        doc = json.load(f)
+    loaded = doc["versions"].get("core_so_sha256")
+    if loaded != expect_core:
+        raise SystemExit(f"the run loaded core {loaded}, not the snapshot's {expect_core}")
+    return {(row["mode"], row["n"]): row for row in doc["aggregate"] if row["path"] == "arrays"}
+
+
+def bootstrap_median(values: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
+    """95% bootstrap interval of the median."""
+    samples = rng.choice(values, size=(2000, len(values)), replace=True)
+    medians = np.median(samples, axis=1)
+    return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("builds", nargs="+", help="_core.abi3.so files (2 or more)")
+    parser.add_argument("--rounds", type=int, default=20, help="runs of every build")
+    parser.add_argument("--json", help="write every run's numbers here")
+    args, bench_args = parser.parse_known_args()
+    bench_args = [a for a in bench_args if a != "--"]
+    if len(args.builds) < 2:
+        parser.error("give at least two builds (the same one twice for an A/A check)")
+    labels = [f"{i}:{os.path.basename(b)}" for i, b in enumerate(args.builds)]
+    # results[build][(mode, n)][phase] -> list over rounds
+    results: list[dict] = [{} for _ in args.builds]
+    with tempfile.TemporaryDirectory(prefix="ab_builds_") as root:
+        paths = [snapshot(so, root, i) for i, so in enumerate(args.builds)]
+        cores = [sha16(so) for so in args.builds]
+        out = os.path.join(root, "run.json")
+        for r in range(args.rounds):
+            order = [(r + k) % len(paths) for k in range(len(paths))]
+            for b in order:
+                for key, row in run_once(paths[b], bench_args, out, cores[b]).items():
+                    per = results[b].setdefault(key, {p: [] for p in PHASES})
+                    for p in PHASES:
+                        per[p].append(row[p])
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    rng = np.random.default_rng(0)
+    print("| config | build | schedule | update | drafts | total p50 (median) | total vs build 0 |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for key in sorted(results[0]):
+        base = np.array(results[0][key]["total_p50_us"])
+        for b, label in enumerate(labels):
+            per = results[b][key]
+            med = [float(np.median(per[p])) for p in PHASES]
+            if b == 0:
+                vs = "-"
+            else:
+                ratio = np.array(per["total_p50_us"]) / base
+                lo, hi = bootstrap_median(ratio, rng)
+                vs = f"{np.median(ratio):.3f}x [{lo:.3f}, {hi:.3f}]"
+            print(
+                f"| {key[0]} N={key[1]} | {label} | {med[0]:.1f} | {med[1]:.1f} | "
+                f"{med[2]:.1f} | {med[3]:.1f} | {vs} |"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "builds": args.builds,
+                    "bench_args": bench_args,
+                    "results": [{f"{m}/{n}": v for (m, n), v in res.items()} for res in results],
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
