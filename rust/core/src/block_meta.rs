@@ -5,7 +5,7 @@
 //! hundreds of thousands, whose metadata the engine's own work keeps evicting from the caches;
 //! a block's cost is the lines it touches. With everything in one aligned 64-byte record,
 //! allocating a block (ref count, and evicting its old hash) or registering it touches this
-//! one line, plus the prefix bucket and the free-queue node.
+//! one line, plus the prefix bucket (and the free queue's entry, read in order).
 
 use crate::hashing::BlockHash;
 use crate::provenance::Fingerprint;

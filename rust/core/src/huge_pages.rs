@@ -1,7 +1,7 @@
 //! Transparent huge pages for the pool's per-block arrays.
 //!
-//! A step touches a few entries of each per-block array (ref counts, free-queue and prefix-map
-//! links, hashes, token copies) for every block it allocates or caches, scattered over arrays
+//! A step touches a few entries of each per-block array (block records, free-queue positions,
+//! prefix buckets, token copies) for every block it allocates or caches, scattered over arrays
 //! of tens of megabytes for a large pool. With 4 KiB pages nearly every such access also misses
 //! the TLB. Where transparent huge pages are enabled only on request (`madvise`, the default of
 //! several distributions), this asks for them on the arrays' memory before it is first written.

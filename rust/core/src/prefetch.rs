@@ -1,17 +1,18 @@
 //! Software prefetch hints for the per-step loops.
 //!
 //! A step touches a few cold cache lines per request (its record, then the tails of its token,
-//! hash and block vectors) and per new block (pool metadata). The loops are long enough per iteration that
-//! the CPU cannot overlap those misses on its own, so they ask for the lines of a request a
-//! few iterations ahead. A hint never faults and never changes results; on targets without a
+//! hash and block vectors) and per new block (pool metadata). Where a loop's iterations are long
+//! enough that the CPU cannot overlap those misses on its own, or an address depends on an
+//! earlier miss, the loop asks for the lines of a request a few iterations ahead; elsewhere a
+//! hint measured nothing and is left out. A hint never faults and never changes results; on targets without a
 //! stable prefetch instruction it compiles to nothing.
 
 /// How many requests ahead the per-request loops prefetch what a request's record points to
 /// (vector tails), which reads the record.
 pub const DISTANCE: usize = 4;
 
-/// How many requests ahead the per-request loops prefetch the request records themselves, so
-/// the reads at [`DISTANCE`] find them in cache.
+/// How many requests ahead the draft update prefetches the request records themselves (its
+/// loop is short, so it runs further ahead than [`DISTANCE`]).
 pub const RECORD_DISTANCE: usize = 3 * DISTANCE;
 
 /// Hints that the cache line holding `*ptr` will be read soon.

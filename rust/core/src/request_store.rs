@@ -119,7 +119,7 @@ impl RequestStore {
     }
 
     /// Prefetches the request record in `slot` itself (every cache line of it) without reading
-    /// it: the first stage of [`Self::prefetch`], which reads the record, run further ahead.
+    /// it.
     pub fn prefetch_record(&self, slot: u32) {
         if let Some(s) = self.slots.get(slot as usize) {
             let start = (s as *const Slot).cast::<u8>();

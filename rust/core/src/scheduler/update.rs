@@ -80,9 +80,6 @@ impl Scheduler {
         to_cache.clear();
         let mut start = 0usize;
         for (i, (e, &count)) in step.entries.iter().zip(counts).enumerate() {
-            if let Some(ahead) = step.entries.get(i + crate::prefetch::RECORD_DISTANCE) {
-                self.store.prefetch_record(ahead.slot);
-            }
             if let Some(ahead) = step.entries.get(i + crate::prefetch::DISTANCE) {
                 self.store.prefetch(ahead.slot);
             }
