@@ -211,6 +211,11 @@ impl BlockPool {
             self.meta[b as usize].ref_cnt = 1;
             out.push(b);
         }
+        // The next calls pop the blocks right behind these (a decode step pops one block for
+        // each of hundreds of requests): ask for their records now, a few pops ahead.
+        for b in self.free.entries_ahead(crate::prefetch::POP_DISTANCE, n) {
+            crate::prefetch::read(&self.meta[b as usize]);
+        }
         let popped = &out[start..];
         if popped.len() > 1 {
             // Evicting a reused block's hash reads its prefix entry, then its bucket and chain

@@ -80,6 +80,16 @@ impl FreeQueue {
         self.iter().next()
     }
 
+    /// The entries at `offset..offset + n` past the head, holes skipped (they may be fewer than
+    /// `n`, and the range may reach past the tail, where nothing is queued).
+    pub fn entries_ahead(&self, offset: usize, n: usize) -> impl Iterator<Item = u32> + '_ {
+        let queued = self.tail.wrapping_sub(self.head);
+        let mask = self.mask();
+        (offset..(offset + n).min(queued))
+            .map(move |i| self.ring[self.head.wrapping_add(i) & mask])
+            .filter(|&b| b != HOLE)
+    }
+
     /// Detaches and returns the head block.
     pub fn pop_front(&mut self) -> Option<u32> {
         if self.len == 0 {
@@ -190,6 +200,19 @@ mod tests {
         while q.pop_front().is_some() {}
         assert!(q.is_empty());
         assert_eq!(q.pop_front(), None);
+    }
+
+    #[test]
+    fn entries_ahead_skip_holes_and_stop_at_the_tail() {
+        let mut q = FreeQueue::new(8, 0..6);
+        q.remove(3);
+        let ahead = |q: &FreeQueue, offset, n| q.entries_ahead(offset, n).collect::<Vec<_>>();
+        assert_eq!(ahead(&q, 0, 2), [0, 1]);
+        assert_eq!(ahead(&q, 2, 3), [2, 4]); // entry 3 is a hole
+        assert_eq!(ahead(&q, 4, 10), [4, 5]); // nothing past the tail
+        assert_eq!(ahead(&q, 9, 2), Vec::<u32>::new());
+        q.pop_front();
+        assert_eq!(ahead(&q, 0, 1), [1]);
     }
 
     #[test]

@@ -15,6 +15,10 @@ pub const DISTANCE: usize = 4;
 /// loop is short, so it runs further ahead than [`DISTANCE`]).
 pub const RECORD_DISTANCE: usize = 3 * DISTANCE;
 
+/// How many free-queue entries past the head the pool prefetches the records of, when it pops
+/// blocks (the next pops take them).
+pub const POP_DISTANCE: usize = 4;
+
 /// Hints that the cache line holding `*ptr` will be read soon.
 #[inline(always)]
 pub fn read<T>(ptr: *const T) {

@@ -129,17 +129,25 @@ impl RequestStore {
         }
     }
 
-    /// Prefetches what a step reads and appends to for the request in `slot`: the tails of
-    /// its tokens, block hashes and block ids.
-    pub fn prefetch(&self, slot: u32) {
+    /// Prefetches what applying `num_sampled` tokens reads and appends to for the request in
+    /// `slot`: the tail of its tokens, and the tails of its block hashes and block ids only if
+    /// those tokens may complete a block (hashed and registered then; a wrong guess costs a miss
+    /// later, never a wrong result).
+    pub fn prefetch_for_update(&self, slot: u32, num_sampled: usize, block_size: usize) {
         if let Some(r) = self
             .slots
             .get(slot as usize)
             .and_then(|s| s.request.as_ref())
         {
             crate::prefetch::tail(&r.tokens);
-            crate::prefetch::tail(&r.block_hashes);
-            crate::prefetch::tail(&r.blocks.block_ids);
+            // A block ends at a multiple of `block_size` in (len - 1, len + num_sampled]: its
+            // hash is appended when its last token is, and it is registered once the token
+            // before that is computed (one step later at most).
+            let filled = r.tokens.len() % block_size.max(1);
+            if filled == 0 || filled + num_sampled >= block_size {
+                crate::prefetch::tail(&r.block_hashes);
+                crate::prefetch::tail(&r.blocks.block_ids);
+            }
         }
     }
 

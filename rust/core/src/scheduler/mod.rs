@@ -752,44 +752,70 @@ impl Scheduler {
         self.next_step_id += 1;
         out.step_id = step_id;
         out.num_lookahead_tokens = self.lookahead_tokens();
-        out.query_start_loc.push(0);
         for (rank, &slot) in scheduled_order.iter().enumerate() {
             self.scratch.rank[slot as usize] = rank as u32;
         }
-        let mut entries = Vec::with_capacity(scheduled_order.len());
-        let mut total = 0usize;
-        for i in 0..scheduled_order.len() {
-            let slot = self.rows.owners()[i];
+        let n = scheduled_order.len();
+        let StepOutput {
+            slots,
+            kinds,
+            num_scheduled_tokens,
+            num_computed_tokens,
+            num_output_placeholders,
+            query_start_loc,
+            is_prefill_chunk,
+            new_block_ids,
+            num_new_blocks,
+            generations,
+            spec_token_ids,
+            num_spec_tokens,
+            ..
+        } = out;
+        // Columns that come from the step's scratch arrays, one tight pass each; then one pass
+        // over the requests for what their records hold.
+        slots.extend_from_slice(&self.rows.owners()[..n]);
+        let scratch = &self.scratch;
+        for &slot in slots.iter() {
+            kinds.push(
+                scratch.kind[slot as usize]
+                    .ok_or_else(|| broken!("scheduled slot {slot} without kind"))?,
+            );
+        }
+        num_scheduled_tokens.extend(slots.iter().map(|&s| scratch.scheduled[s as usize] as i32));
+        num_computed_tokens.extend(
+            slots
+                .iter()
+                .map(|&s| scratch.computed_before[s as usize] as i32),
+        );
+        num_spec_tokens.extend(slots.iter().map(|&s| scratch.num_spec[s as usize]));
+        query_start_loc.push(0);
+        let mut total = 0i32;
+        query_start_loc.extend(num_scheduled_tokens.iter().map(|&t| {
+            total += t;
+            total
+        }));
+        let mut entries = Vec::with_capacity(n);
+        for &slot in slots.iter() {
             let s = slot as usize;
             let num_new = self.scratch.scheduled[s] as usize;
+            let num_spec = self.scratch.num_spec[s] as usize;
             let generation = self.store.generation(slot);
             let r = self.store.get_mut(slot)?;
             r.num_computed_tokens += num_new;
             r.num_in_flight_tokens += num_new;
             r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens() + r.num_output_placeholders;
-            out.num_output_placeholders
-                .push(r.num_output_placeholders as u32);
-            total += num_new;
-            out.slots.push(slot);
-            out.kinds
-                .push(self.scratch.kind[s].ok_or_else(|| broken!("scheduled slot without kind"))?);
-            out.num_scheduled_tokens.push(num_new as i32);
-            out.num_computed_tokens
-                .push(self.scratch.computed_before[s] as i32);
-            out.query_start_loc.push(total as i32);
-            out.is_prefill_chunk.push(r.is_prefill_chunk);
+            num_output_placeholders.push(r.num_output_placeholders as u32);
+            is_prefill_chunk.push(r.is_prefill_chunk);
             let new_blocks = &r.blocks.block_ids[self.scratch.new_blocks_start[s] as usize..];
-            out.new_block_ids.extend_from_slice(new_blocks);
-            out.num_new_blocks.push(new_blocks.len() as u32);
-            out.generations.push(generation);
-            let num_spec = self.scratch.num_spec[s] as usize;
+            new_block_ids.extend_from_slice(new_blocks);
+            num_new_blocks.push(new_blocks.len() as u32);
+            generations.push(generation);
             let spec = r
                 .spec_token_ids
                 .get(..num_spec)
                 .ok_or_else(|| broken!("scheduled drafts of slot {slot} went missing"))?;
-            out.spec_token_ids.extend_from_slice(spec);
+            spec_token_ids.extend_from_slice(spec);
             r.spec_token_ids.clear();
-            out.num_spec_tokens.push(num_spec as u32);
             entries.push(InFlightEntry {
                 slot,
                 generation,
@@ -803,9 +829,12 @@ impl Scheduler {
             if self.config.async_scheduling && !r.is_prefill_chunk {
                 add_output_placeholders(r, num_spec, self.config.num_speculative_tokens);
             }
-            self.scratch.scheduled[s] = 0;
-            self.scratch.kind[s] = None;
         }
+        for &slot in slots.iter() {
+            self.scratch.scheduled[slot as usize] = 0;
+            self.scratch.kind[slot as usize] = None;
+        }
+        let total = total as usize;
         out.total_num_scheduled_tokens = total;
         out.finished_req_ids.append(&mut self.finished_ids);
         out.scheduler_uid = self.uid;

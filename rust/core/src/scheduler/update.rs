@@ -80,8 +80,10 @@ impl Scheduler {
         to_cache.clear();
         let mut start = 0usize;
         for (i, (e, &count)) in step.entries.iter().zip(counts).enumerate() {
-            if let Some(ahead) = step.entries.get(i + crate::prefetch::DISTANCE) {
-                self.store.prefetch(ahead.slot);
+            let ahead = i + crate::prefetch::DISTANCE;
+            if let (Some(e), Some(&n)) = (step.entries.get(ahead), counts.get(ahead)) {
+                self.store
+                    .prefetch_for_update(e.slot, n as usize, self.config.block_size);
             }
             let sampled = &tokens[start..start + count as usize];
             start += count as usize;
