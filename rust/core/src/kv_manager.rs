@@ -11,7 +11,10 @@ use crate::hashing::{BlockHash, ExtraKeys};
 use crate::provenance::Fingerprint;
 
 /// Blocks held by one request, in logical order, and how many leading ones are in the prefix cache.
+///
+/// `repr(C)`: the block ids and the cached count, which every step reads, come first.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[repr(C)]
 pub struct RequestBlocks {
     /// Block ids; entry `i` holds positions `[i * block_size, (i + 1) * block_size)`.
     pub block_ids: Vec<u32>,

@@ -75,12 +75,45 @@ pub struct RequestSpec {
     pub arrival_time: f64,
 }
 
+/// A request's stop rules, moved out of its [`RequestSpec`] at submission so that they sit in
+/// the record's hot lines (every sampled token is checked against them).
+#[derive(Debug, Clone, Default)]
+#[repr(C)]
+pub struct StopRules {
+    /// Maximum output tokens.
+    pub max_tokens: usize,
+    /// No EOS/stop-token stop before this many output tokens.
+    pub min_tokens: usize,
+    /// Tokens that stop generation (reported as the stop reason).
+    pub stop_token_ids: Box<[u32]>,
+    /// EOS token, if the model has one.
+    pub eos_token_id: Option<u32>,
+    /// Keep generating past EOS.
+    pub ignore_eos: bool,
+}
+
+impl StopRules {
+    /// Takes the rules out of `spec` (its `stop_token_ids` is left empty).
+    fn take_from(spec: &mut RequestSpec) -> Self {
+        Self {
+            max_tokens: spec.max_tokens,
+            min_tokens: spec.min_tokens,
+            stop_token_ids: std::mem::take(&mut spec.stop_token_ids).into_boxed_slice(),
+            eos_token_id: spec.eos_token_id,
+            ignore_eos: spec.ignore_eos,
+        }
+    }
+}
+
 /// A request inside the scheduler.
 ///
-/// Fields are laid out in declaration order (`repr(C)`), hottest first: what every step reads
-/// and writes shares the first cache lines, the stop rules follow, and what only admission or
-/// the API reads comes last. A step touches every running request, so lines per request are
-/// what a step costs once the engine's own work has evicted them.
+/// Fields are laid out in declaration order (`repr(C)`), hottest first, for the slot record
+/// that holds it ([`crate::request_store`]): line 0 holds the status and counters, line 1 the
+/// token and hash vectors and the length stops, line 2 the other stop rules and the block
+/// vector, line 3 the drafts. Applying a step's output reads lines 0-2 (and 3 when it
+/// registers a block); what only admission or the API reads comes last. A step touches every
+/// running request, so lines per request are what a step costs once the engine's own work has
+/// evicted them.
 #[derive(Debug, Clone)]
 #[repr(C)]
 pub struct Request {
@@ -106,13 +139,16 @@ pub struct Request {
     pub tokens: Vec<u32>,
     /// Hashes of every full block of `tokens` (empty when caching is off).
     pub block_hashes: Vec<BlockHash>,
+    /// When to stop.
+    pub stop: StopRules,
     /// Blocks held.
     pub blocks: RequestBlocks,
     /// Draft tokens proposed for the next step, inline up to [`INLINE_DRAFTS`] so a step reads
     /// them from the request itself, not from one more heap line per request.
     pub spec_token_ids: SmallVec<[u32; INLINE_DRAFTS]>,
-    /// What was submitted; its `prompt_token_ids` moved into `tokens` (the prompt is kept
-    /// once, as the first `num_prompt_tokens` of `tokens`).
+    /// What was submitted. Its `prompt_token_ids` moved into `tokens` (the prompt is kept
+    /// once, as the first `num_prompt_tokens` of `tokens`) and its `stop_token_ids` into
+    /// `stop`, which holds the stop rules.
     pub spec: RequestSpec,
     /// Submission order (FCFS and priority tie-break).
     pub arrival_seq: u64,
@@ -122,6 +158,7 @@ impl Request {
     /// A waiting request; hashes its full prompt blocks when `hasher` is given.
     pub fn new(mut spec: RequestSpec, arrival_seq: u64, hasher: Option<&BlockHasher>) -> Self {
         let tokens = std::mem::take(&mut spec.prompt_token_ids);
+        let stop = StopRules::take_from(&mut spec);
         let num_prompt_tokens = tokens.len();
         let mut block_hashes = Vec::new();
         if let Some(h) = hasher {
@@ -129,6 +166,7 @@ impl Request {
         }
         Self {
             spec,
+            stop,
             num_prompt_tokens,
             tokens,
             block_hashes,
@@ -170,7 +208,7 @@ impl Request {
     pub fn in_flight_reaches_max_tokens(&self) -> bool {
         let ph = self.num_output_placeholders;
         ph > 0
-            && self.num_computed_tokens + 2 >= ph + self.num_prompt_tokens() + self.spec.max_tokens
+            && self.num_computed_tokens + 2 >= ph + self.num_prompt_tokens() + self.stop.max_tokens
     }
 
     /// The view the KV-cache manager needs.
@@ -209,17 +247,17 @@ impl Request {
     /// `min_tokens` so a request can always end.
     fn check_stop(&mut self, max_model_len: usize) -> Option<FinishReason> {
         let num_output = self.num_output_tokens();
-        if num_output >= self.spec.min_tokens {
+        if num_output >= self.stop.min_tokens {
             let last = *self.tokens.last()?;
-            if !self.spec.ignore_eos && self.spec.eos_token_id == Some(last) {
+            if !self.stop.ignore_eos && self.stop.eos_token_id == Some(last) {
                 return Some(FinishReason::Stop);
             }
-            if self.spec.stop_token_ids.contains(&last) {
+            if self.stop.stop_token_ids.contains(&last) {
                 self.stop_token = Some(last);
                 return Some(FinishReason::Stop);
             }
         }
-        if self.tokens.len() >= max_model_len || num_output >= self.spec.max_tokens {
+        if self.tokens.len() >= max_model_len || num_output >= self.stop.max_tokens {
             return Some(FinishReason::Length);
         }
         None

@@ -118,14 +118,16 @@ impl RequestStore {
         s.request.as_mut()
     }
 
-    /// Prefetches the request record in `slot` itself (every cache line of it) without reading
-    /// it.
-    pub fn prefetch_record(&self, slot: u32) {
+    /// Prefetches the lines of the record in `slot` that installing drafts touches (the slot's
+    /// first line, with the generation and status, and the inline drafts) without reading it.
+    pub fn prefetch_for_drafts(&self, slot: u32) {
         if let Some(s) = self.slots.get(slot as usize) {
             let start = (s as *const Slot).cast::<u8>();
-            for offset in (0..std::mem::size_of::<Slot>()).step_by(64) {
-                crate::prefetch::read(start.wrapping_add(offset));
-            }
+            crate::prefetch::read(start);
+            let drafts =
+                std::mem::offset_of!(Slot, request) + std::mem::offset_of!(Request, spec_token_ids);
+            crate::prefetch::read(start.wrapping_add(drafts));
+            crate::prefetch::read(start.wrapping_add(drafts + 63));
         }
     }
 

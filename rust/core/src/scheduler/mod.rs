@@ -390,7 +390,7 @@ impl Scheduler {
         let mut start = 0;
         for (i, (&(slot, generation), &count)) in slots.iter().zip(counts).enumerate() {
             if let Some(&(ahead, _)) = slots.get(i + crate::prefetch::RECORD_DISTANCE) {
-                self.store.prefetch_record(ahead);
+                self.store.prefetch_for_drafts(ahead);
             }
             let end = start + count as usize;
             if let Some(r) = self.store.get_mut_if_current(slot, generation) {
