@@ -10,6 +10,9 @@ bootstrap interval. Pass the same build twice for an A/A check of the noise.
 Each build runs from its own copy of the package (the `_core` given, everything else from
 `python/dflash_rs`), so rebuilding the editable extension mid-run changes nothing.
 
+With `--modes micro` the admission cost (Request() + add_request(), per prompt length) is
+reported as the total of an `admit` row.
+
 Example (decode at N = 1024, 30 rounds):
 
   .venv/bin/python benches/ab_builds.py /tmp/before.so /tmp/after.so --rounds 30 \\
@@ -68,7 +71,15 @@ def run_once(
     loaded = doc["versions"].get("core_so_sha256")
     if loaded != expect_core:
         raise SystemExit(f"the run loaded core {loaded}, not the snapshot's {expect_core}")
-    return {(row["mode"], row["n"]): row for row in doc["aggregate"] if row["path"] == "arrays"}
+    rows = {(row["mode"], row["n"]): row for row in doc["aggregate"] if row["path"] == "arrays"}
+    # Admission (`--modes micro`): Request() + add_request() of a prompt, as the total.
+    for name, stats in (doc.get("micro_aggregate") or {}).items():
+        kind, size, path = name.rsplit("_", 2)
+        if kind == "admit" and path == "arrays":
+            row = {p: float("nan") for p in PHASES}
+            row["total_p50_us"] = stats["p50_us"]
+            rows[("admit", int(size))] = row
+    return rows
 
 
 def bootstrap_median(values: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:

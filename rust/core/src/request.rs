@@ -8,6 +8,20 @@ use crate::hashing::{BlockHash, BlockHasher, ExtraKeys};
 pub const INLINE_DRAFTS: usize = 16;
 use crate::kv_manager::{RequestBlocks, SequenceView};
 
+/// At most this many output tokens are made room for when a request is submitted.
+pub const OUTPUT_RESERVE_TOKENS: usize = 8192;
+
+/// The token capacity a request is given at submission: its prompt plus the outputs it may
+/// produce, up to `max_model_len` and at most [`OUTPUT_RESERVE_TOKENS`] of them (past that,
+/// the vector doubles as usual). Callers that build the prompt vector can size it with this,
+/// so that submission copies nothing.
+pub fn token_capacity(num_prompt_tokens: usize, max_tokens: usize, max_model_len: usize) -> usize {
+    let outputs = max_tokens
+        .min(max_model_len.saturating_sub(num_prompt_tokens))
+        .min(OUTPUT_RESERVE_TOKENS);
+    num_prompt_tokens + outputs
+}
+
 /// Where a request is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RequestStatus {
@@ -156,12 +170,24 @@ pub struct Request {
 
 impl Request {
     /// A waiting request; hashes its full prompt blocks when `hasher` is given.
-    pub fn new(mut spec: RequestSpec, arrival_seq: u64, hasher: Option<&BlockHasher>) -> Self {
-        let tokens = std::mem::take(&mut spec.prompt_token_ids);
+    ///
+    /// Its token and hash vectors get room for the outputs it may produce
+    /// ([`token_capacity`]): decoding then appends without copying them as they grow, a copy
+    /// of lines that are cold by then, repeated at every doubling.
+    pub fn new(
+        mut spec: RequestSpec,
+        arrival_seq: u64,
+        hasher: Option<&BlockHasher>,
+        max_model_len: usize,
+    ) -> Self {
+        let mut tokens = std::mem::take(&mut spec.prompt_token_ids);
         let stop = StopRules::take_from(&mut spec);
         let num_prompt_tokens = tokens.len();
+        let capacity = token_capacity(num_prompt_tokens, stop.max_tokens, max_model_len);
+        tokens.reserve_exact(capacity.saturating_sub(tokens.len()));
         let mut block_hashes = Vec::new();
         if let Some(h) = hasher {
+            block_hashes.reserve_exact(capacity / h.block_size().max(1));
             h.extend_hashes(&mut block_hashes, &tokens, &spec.extra);
         }
         Self {
@@ -261,5 +287,51 @@ impl Request {
             return Some(FinishReason::Length);
         }
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(prompt_len: usize, max_tokens: usize) -> RequestSpec {
+        RequestSpec {
+            request_id: "r".into(),
+            prompt_token_ids: (0..prompt_len as u32).collect(),
+            max_tokens,
+            stop_token_ids: vec![7],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn token_capacity_is_capped_by_the_model_and_the_reserve() {
+        assert_eq!(token_capacity(10, 100, 1000), 110);
+        assert_eq!(token_capacity(10, 100, 50), 50);
+        assert_eq!(
+            token_capacity(10, 1 << 20, 1 << 30),
+            10 + OUTPUT_RESERVE_TOKENS
+        );
+        assert_eq!(token_capacity(60, 100, 50), 60); // over-long prompts are rejected later
+    }
+
+    #[test]
+    fn decoding_within_the_reserve_never_moves_the_vectors() {
+        let hasher = BlockHasher::new(crate::hashing::HashAlgo::Sha256, 16, b"");
+        let mut r = Request::new(spec(30, 200), 0, Some(&hasher), 4096);
+        assert!(r.stop.stop_token_ids.as_ref() == [7] && r.spec.stop_token_ids.is_empty());
+        let (tokens, hashes) = (r.tokens.as_ptr(), r.block_hashes.as_ptr());
+        for t in 0..199 {
+            assert_eq!(r.append_and_check_stop(100 + t, 4096, Some(&hasher)), None);
+        }
+        assert_eq!(r.block_hashes.len(), 229 / 16);
+        assert_eq!(
+            (r.tokens.as_ptr(), r.block_hashes.as_ptr()),
+            (tokens, hashes)
+        );
+        assert_eq!(
+            r.append_and_check_stop(1, 4096, Some(&hasher)),
+            Some(FinishReason::Length)
+        );
     }
 }

@@ -27,11 +27,14 @@ fn tokens_from_slice<T: Copy + Into<i64>>(
     py: Python<'_>,
     what: impl Display,
     values: &[T],
+    capacity: impl Fn(usize) -> usize,
 ) -> PyResult<Vec<u32>> {
     let in_range = |t: &T| (0..=MAX_TOKEN_ID).contains(&(*t).into());
     // A fold without early exit: `all` stops at the first failure, which keeps it scalar.
     if values.iter().fold(true, |ok, t| ok & in_range(t)) {
-        return Ok(values.iter().map(|&t| t.into() as u32).collect());
+        let mut tokens = Vec::with_capacity(capacity(values.len()));
+        tokens.extend(values.iter().map(|&t| t.into() as u32));
+        return Ok(tokens);
     }
     let (i, &bad) = values
         .iter()
@@ -44,10 +47,20 @@ fn tokens_from_slice<T: Copy + Into<i64>>(
 /// Extracts token ids from a list/tuple of ints or a 1-D int32/int64 numpy array. `what` names
 /// the argument in error messages; it is only formatted on an error (pass `format_args!`).
 pub fn token_ids(obj: &Bound<'_, PyAny>, what: impl Display + Copy) -> PyResult<Vec<u32>> {
+    token_ids_with_capacity(obj, what, |len| len)
+}
+
+/// [`token_ids`] into a vector of `capacity(len)` elements (at least `len`), for a vector
+/// that will grow.
+pub fn token_ids_with_capacity(
+    obj: &Bound<'_, PyAny>,
+    what: impl Display + Copy,
+    capacity: impl Fn(usize) -> usize,
+) -> PyResult<Vec<u32>> {
     let py = obj.py();
     if let Ok(list) = obj.cast::<PyList>() {
         // The common case from Python (one list per request): no numpy type checks first.
-        let mut values = Vec::with_capacity(list.len());
+        let mut values = Vec::with_capacity(capacity(list.len()));
         for item in list.iter() {
             let t: i64 = item.extract().map_err(|_| not_a_sequence(py, what))?;
             values.push(check_token(py, what, values.len(), t)?);
@@ -56,14 +69,14 @@ pub fn token_ids(obj: &Bound<'_, PyAny>, what: impl Display + Copy) -> PyResult<
     }
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
         return match arr.as_slice() {
-            Ok(slice) => tokens_from_slice(py, what, slice),
-            Err(_) => tokens_from_slice(py, what, &arr.as_array().to_vec()),
+            Ok(slice) => tokens_from_slice(py, what, slice, &capacity),
+            Err(_) => tokens_from_slice(py, what, &arr.as_array().to_vec(), &capacity),
         };
     }
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         return match arr.as_slice() {
-            Ok(slice) => tokens_from_slice(py, what, slice),
-            Err(_) => tokens_from_slice(py, what, &arr.as_array().to_vec()),
+            Ok(slice) => tokens_from_slice(py, what, slice, &capacity),
+            Err(_) => tokens_from_slice(py, what, &arr.as_array().to_vec(), &capacity),
         };
     }
     if let Ok(arr) = obj.cast::<numpy::PyUntypedArray>() {

@@ -27,6 +27,8 @@ use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spe
 pub struct PyScheduler {
     state: Guarded<State>,
     config: Py<PyAny>,
+    /// The core configuration's `max_model_len` (sizes a request's vectors before the lock).
+    max_model_len: usize,
 }
 
 /// The scheduler's mutable state, behind the lock.
@@ -317,6 +319,7 @@ impl PyScheduler {
     #[new]
     fn new(py: Python<'_>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
         let core_config = config_from_py(config)?;
+        let max_model_len = core_config.max_model_len;
         let inner = Scheduler::new(core_config).py(py)?;
         let state = State {
             inner,
@@ -329,6 +332,7 @@ impl PyScheduler {
         Ok(Self {
             state: Guarded::new(state, "Scheduler"),
             config: config.clone().unbind(),
+            max_model_len,
         })
     }
 
@@ -340,7 +344,7 @@ impl PyScheduler {
 
     /// Enqueues a request (hashing its prompt blocks in Rust).
     fn add_request(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
-        let spec = request_spec(request)?;
+        let spec = request_spec(request, self.max_model_len)?;
         let id = spec.request_id.clone();
         self.state.with(py, |st| {
             let inner = &mut st.inner;

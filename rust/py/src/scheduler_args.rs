@@ -1,12 +1,13 @@
 //! Reading the Python-side `SchedulerConfig` and `Request` objects into core types.
 
 use dflash_core::lookahead::{LookaheadPolicy, SpecMethod};
+use dflash_core::request::token_capacity;
 use dflash_core::{ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec, SchedulerConfig};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
-use crate::convert::{int_named, non_negative, token_ids, Int};
+use crate::convert::{int_named, non_negative, token_ids, token_ids_with_capacity, Int};
 use crate::errors::{invalid, IntoPyResult};
 
 fn attr<'py, T: FromPyObjectOwned<'py>>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<T> {
@@ -100,7 +101,9 @@ fn opt_token(py: Python<'_>, what: &str, v: Option<Int>) -> PyResult<Option<u32>
     .transpose()
 }
 
-pub fn request_spec<'py>(req: &Bound<'py, PyAny>) -> PyResult<RequestSpec> {
+/// The engine's request as the core's spec. The prompt vector is given room for the request's
+/// outputs up to `max_model_len` ([`token_capacity`]), so submitting it copies nothing.
+pub fn request_spec<'py>(req: &Bound<'py, PyAny>, max_model_len: usize) -> PyResult<RequestSpec> {
     let py = req.py();
     let get = |name: &Bound<'py, PyString>| -> PyResult<Bound<'py, PyAny>> {
         req.getattr(name)
@@ -109,8 +112,13 @@ pub fn request_spec<'py>(req: &Bound<'py, PyAny>) -> PyResult<RequestSpec> {
     let request_id: String = get(intern!(py, "request_id"))?
         .extract()
         .map_err(|_| invalid(py, "request_id must be a str"))?;
-    let prompt = token_ids(&get(intern!(py, "prompt_token_ids"))?, "prompt_token_ids")?;
     let max_tokens = int_named(&get(intern!(py, "max_tokens"))?, "max_tokens")?;
+    let room_for = usize::try_from(max_tokens).unwrap_or(0);
+    let prompt = token_ids_with_capacity(
+        &get(intern!(py, "prompt_token_ids"))?,
+        "prompt_token_ids",
+        |len| token_capacity(len, room_for, max_model_len),
+    )?;
     let min_tokens = int_named(&get(intern!(py, "min_tokens"))?, "min_tokens")?;
     let stop = token_ids(&get(intern!(py, "stop_token_ids"))?, "stop_token_ids")?;
     let arrival = get(intern!(py, "arrival_time"))?;

@@ -334,7 +334,7 @@ impl Scheduler {
         }
         let seq = self.next_arrival_seq;
         self.next_arrival_seq += 1;
-        let request = Request::new(spec, seq, self.hasher.as_ref());
+        let request = Request::new(spec, seq, self.hasher.as_ref(), self.config.max_model_len);
         let key = priority_key(&request);
         let slot = self.store.insert(request)?;
         self.waiting.push_back(slot, key);
