@@ -154,9 +154,15 @@ impl Scheduler {
                 // accepted tokens filled now, not at the next allocation, so they stay
                 // cached if the request is preempted or finishes before that. Registered in a
                 // second pass below, in batch order: each registration reads pool lines the
-                // engine's work has evicted, which this pass prefetches for all of them.
+                // engine's work has evicted, which this pass prefetches for all of them. The
+                // prefetch reaches one token further, to the end of the known tokens: a block
+                // that the last sampled token completes is registered by the next allocation,
+                // whose lines are then already cached.
                 let done = r.num_computed_tokens.saturating_sub(r.num_in_flight_tokens);
-                if self.kv.prefetch_cache_blocks(&r.blocks, r.sequence(), done) {
+                if self
+                    .kv
+                    .prefetch_cache_blocks(&r.blocks, r.sequence(), r.num_tokens())
+                {
                     to_cache.push((e.slot, done));
                 }
             }
@@ -172,9 +178,10 @@ impl Scheduler {
                 finished.push((e.rank, e.slot, reason));
             }
         }
-        for &(slot, done) in &to_cache {
+        for &(slot, _) in &to_cache {
             let r = self.store.get(slot)?;
-            self.kv.prefetch_cache_chains(&r.blocks, r.sequence(), done);
+            self.kv
+                .prefetch_cache_chains(&r.blocks, r.sequence(), r.num_tokens());
         }
         for &(slot, done) in &to_cache {
             let r = self.store.get_mut(slot)?;
