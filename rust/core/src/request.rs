@@ -251,6 +251,57 @@ impl Request {
         matches!(self.status, RequestStatus::Finished(_))
     }
 
+    /// Appends a step's sampled tokens up to and including the first one that stops the
+    /// request, hashing the blocks they complete; returns how many were kept and why it
+    /// stopped. The same as [`Self::append_and_check_stop`] token by token (a property test
+    /// checks it), with the stop rules turned into positions: the length caps give the first
+    /// position that ends it, `min_tokens` the first where a stop token counts, so only that
+    /// range is scanned for EOS and stop tokens.
+    pub fn append_outputs(
+        &mut self,
+        sampled: &[u32],
+        max_model_len: usize,
+        hasher: Option<&BlockHasher>,
+    ) -> (usize, Option<FinishReason>) {
+        let len = self.tokens.len();
+        let num_output = len - self.num_prompt_tokens;
+        // Token i makes len + i + 1 tokens and num_output + i + 1 outputs.
+        let length_stop = max_model_len
+            .saturating_sub(len + 1)
+            .min(self.stop.max_tokens.saturating_sub(num_output + 1));
+        let token_stops_from = self.stop.min_tokens.saturating_sub(num_output + 1);
+        let scan_end = sampled.len().min(length_stop.saturating_add(1));
+        let eos = self.stop.eos_token_id.filter(|_| !self.stop.ignore_eos);
+        let mut finish = None;
+        let mut kept = sampled.len();
+        for (i, &t) in sampled
+            .iter()
+            .enumerate()
+            .take(scan_end)
+            .skip(token_stops_from)
+        {
+            if eos == Some(t) {
+                (kept, finish) = (i + 1, Some(FinishReason::Stop));
+                break;
+            }
+            if self.stop.stop_token_ids.contains(&t) {
+                self.stop_token = Some(t);
+                (kept, finish) = (i + 1, Some(FinishReason::Stop));
+                break;
+            }
+        }
+        if finish.is_none() && length_stop < sampled.len() {
+            (kept, finish) = (length_stop + 1, Some(FinishReason::Length));
+        }
+        self.tokens.extend_from_slice(&sampled[..kept]);
+        if let Some(h) = hasher {
+            if self.tokens.len() / h.block_size() > len / h.block_size() {
+                h.extend_hashes(&mut self.block_hashes, &self.tokens, &self.spec.extra);
+            }
+        }
+        (kept, finish)
+    }
+
     /// Appends one sampled token (hashing a newly full block) and applies the stop rules;
     /// returns the finish reason if it stopped.
     pub fn append_and_check_stop(
@@ -301,6 +352,57 @@ mod tests {
             max_tokens,
             stop_token_ids: vec![7],
             ..Default::default()
+        }
+    }
+
+    proptest::proptest! {
+        /// `append_outputs` keeps the same tokens, stops for the same reason and hashes the
+        /// same blocks as appending the tokens one by one with `append_and_check_stop`.
+        #[test]
+        fn append_outputs_matches_token_by_token(
+            prompt_len in 1usize..40,
+            outputs_before in 0usize..12,
+            max_tokens in 1usize..30,
+            min_tokens in 0usize..20,
+            max_model_len in 1usize..80,
+            eos in proptest::option::of(0u32..6),
+            ignore_eos in proptest::bool::ANY,
+            stop_ids in proptest::collection::vec(0u32..6, 0..3),
+            sampled in proptest::collection::vec(0u32..8, 1..10),
+        ) {
+            let hasher = BlockHasher::new(crate::hashing::HashAlgo::Sha256, 4, b"");
+            let mut r = Request::new(
+                RequestSpec {
+                    request_id: "r".into(),
+                    prompt_token_ids: (100..100 + prompt_len as u32).collect(),
+                    max_tokens,
+                    min_tokens,
+                    eos_token_id: eos,
+                    ignore_eos,
+                    stop_token_ids: stop_ids,
+                    ..Default::default()
+                },
+                0,
+                Some(&hasher),
+                max_model_len,
+            );
+            r.tokens.extend((0..outputs_before as u32).map(|t| 50 + t));
+            r.block_hashes.clear();
+            hasher.extend_hashes(&mut r.block_hashes, &r.tokens, &r.spec.extra);
+            let mut expected = r.clone();
+            let mut want = (0, None);
+            for &t in &sampled {
+                want.0 += 1;
+                want.1 = expected.append_and_check_stop(t, max_model_len, Some(&hasher));
+                if want.1.is_some() {
+                    break;
+                }
+            }
+            let got = r.append_outputs(&sampled, max_model_len, Some(&hasher));
+            proptest::prop_assert_eq!(got, want);
+            proptest::prop_assert_eq!(&r.tokens, &expected.tokens);
+            proptest::prop_assert_eq!(&r.block_hashes, &expected.block_hashes);
+            proptest::prop_assert_eq!(r.stop_token, expected.stop_token);
         }
     }
 

@@ -133,16 +133,8 @@ impl Scheduler {
             let tokens_start = out.new_token_ids.len() as u32;
             let was_running = r.status == RequestStatus::Running;
             let had_placeholders = r.num_output_placeholders > 0;
-            let mut finish = None;
-            let mut kept = 0;
-            for &t in sampled {
-                out.new_token_ids.push(t);
-                kept += 1;
-                finish = r.append_and_check_stop(t, max_model_len, self.hasher.as_ref());
-                if finish.is_some() {
-                    break;
-                }
-            }
+            let (kept, finish) = r.append_outputs(sampled, max_model_len, self.hasher.as_ref());
+            out.new_token_ids.extend_from_slice(&sampled[..kept]);
             // Tokens after a stop are discarded; so is their claim to computed KV (vLLM trims
             // num_computed_tokens the same way before caching blocks).
             if !stale {
