@@ -1,9 +1,9 @@
 //! Test-only fault injection (cargo feature `fault-injection`).
 //!
 //! Named points inside the core can be armed to fail once, either with an internal error
-//! ([`CoreError::Invariant`]) or with a panic. Tests use it to prove that an internal failure
-//! reaches Python as an exception and never aborts the process. Without the feature every
-//! point compiles to nothing.
+//! ([`CoreError::Invariant`](crate::CoreError::Invariant)) or with a panic. Tests use it to
+//! prove that an internal failure reaches Python as an exception and never aborts the process.
+//! Without the feature every point compiles to nothing.
 
 use crate::error::CoreResult;
 

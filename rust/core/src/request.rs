@@ -303,7 +303,9 @@ impl Request {
     }
 
     /// Appends one sampled token (hashing a newly full block) and applies the stop rules;
-    /// returns the finish reason if it stopped.
+    /// returns the finish reason if it stopped. The rules token by token, as vLLM applies
+    /// them: the reference [`Self::append_outputs`] (which the scheduler uses) is tested
+    /// against.
     pub fn append_and_check_stop(
         &mut self,
         token: u32,
