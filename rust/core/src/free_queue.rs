@@ -85,7 +85,7 @@ impl FreeQueue {
     pub fn entries_ahead(&self, offset: usize, n: usize) -> impl Iterator<Item = u32> + '_ {
         let queued = self.tail.wrapping_sub(self.head);
         let mask = self.mask();
-        (offset..(offset + n).min(queued))
+        (offset..offset.saturating_add(n).min(queued))
             .map(move |i| self.ring[self.head.wrapping_add(i) & mask])
             .filter(|&b| b != HOLE)
     }
@@ -151,10 +151,7 @@ impl FreeQueue {
 
     /// Iterates from head (next to be reused) to tail.
     pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        let mask = self.mask();
-        (0..self.tail.wrapping_sub(self.head))
-            .map(move |i| self.ring[self.head.wrapping_add(i) & mask])
-            .filter(|&b| b != HOLE)
+        self.entries_ahead(0, usize::MAX)
     }
 
     /// Compacts the entries when the ring is full (of holes: it has room for every block

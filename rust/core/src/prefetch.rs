@@ -4,8 +4,8 @@
 //! hash and block vectors) and per new block (pool metadata). Where a loop's iterations are long
 //! enough that the CPU cannot overlap those misses on its own, or an address depends on an
 //! earlier miss, the loop asks for the lines of a request a few iterations ahead; elsewhere a
-//! hint measured nothing and is left out. A hint never faults and never changes results; on targets without a
-//! stable prefetch instruction it compiles to nothing.
+//! hint measured nothing and is left out. A hint never faults and never changes results; on
+//! targets without a stable prefetch instruction it compiles to nothing.
 
 /// How many requests ahead the per-request loops prefetch what a request's record points to
 /// (vector tails), which reads the record.

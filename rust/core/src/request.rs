@@ -60,12 +60,10 @@ impl FinishReason {
     }
 }
 
-/// What the engine submits.
-///
-/// Laid out in declaration order (`repr(C)`): the stop rules, read for every sampled token,
-/// come first.
+/// What the engine submits. A step does not read it: at submission its prompt moves into the
+/// request's tokens and its stop rules into the request's [`StopRules`]; only the extra keys
+/// are read again, when a block is hashed.
 #[derive(Debug, Clone, Default)]
-#[repr(C)]
 pub struct RequestSpec {
     /// Maximum output tokens.
     pub max_tokens: usize,
@@ -253,10 +251,10 @@ impl Request {
 
     /// Appends a step's sampled tokens up to and including the first one that stops the
     /// request, hashing the blocks they complete; returns how many were kept and why it
-    /// stopped. The same as [`Self::append_and_check_stop`] token by token (a property test
-    /// checks it), with the stop rules turned into positions: the length caps give the first
-    /// position that ends it, `min_tokens` the first where a stop token counts, so only that
-    /// range is scanned for EOS and stop tokens.
+    /// stopped. The result of applying vLLM's stop rules token by token (a property test checks
+    /// it against that reference), with the rules turned into positions: the length caps give
+    /// the first position that ends it, `min_tokens` the first where a stop token counts, so
+    /// only that range is scanned for EOS and stop tokens.
     pub fn append_outputs(
         &mut self,
         sampled: &[u32],
@@ -301,51 +299,40 @@ impl Request {
         }
         (kept, finish)
     }
-
-    /// Appends one sampled token (hashing a newly full block) and applies the stop rules;
-    /// returns the finish reason if it stopped. The rules token by token, as vLLM applies
-    /// them: the reference [`Self::append_outputs`] (which the scheduler uses) is tested
-    /// against.
-    pub fn append_and_check_stop(
-        &mut self,
-        token: u32,
-        max_model_len: usize,
-        hasher: Option<&BlockHasher>,
-    ) -> Option<FinishReason> {
-        self.tokens.push(token);
-        if let Some(h) = hasher {
-            if self.tokens.len() % h.block_size() == 0 {
-                h.extend_hashes(&mut self.block_hashes, &self.tokens, &self.spec.extra);
-            }
-        }
-        self.check_stop(max_model_len)
-    }
-
-    /// vLLM's stop rules, in its order: after `min_tokens`, EOS (unless ignored), then stop
-    /// tokens; then the length caps (`max_model_len`, `max_tokens`), which apply even below
-    /// `min_tokens` so a request can always end.
-    fn check_stop(&mut self, max_model_len: usize) -> Option<FinishReason> {
-        let num_output = self.num_output_tokens();
-        if num_output >= self.stop.min_tokens {
-            let last = *self.tokens.last()?;
-            if !self.stop.ignore_eos && self.stop.eos_token_id == Some(last) {
-                return Some(FinishReason::Stop);
-            }
-            if self.stop.stop_token_ids.contains(&last) {
-                self.stop_token = Some(last);
-                return Some(FinishReason::Stop);
-            }
-        }
-        if self.tokens.len() >= max_model_len || num_output >= self.stop.max_tokens {
-            return Some(FinishReason::Length);
-        }
-        None
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// vLLM's stop rules applied token by token, the reference `append_outputs` is checked
+    /// against: append one token (hashing a newly full block), then, after `min_tokens`, EOS
+    /// (unless ignored) and the stop tokens, then the length caps.
+    fn append_token(
+        r: &mut Request,
+        token: u32,
+        max_model_len: usize,
+        hasher: &BlockHasher,
+    ) -> Option<FinishReason> {
+        r.tokens.push(token);
+        if r.tokens.len() % hasher.block_size() == 0 {
+            hasher.extend_hashes(&mut r.block_hashes, &r.tokens, &r.spec.extra);
+        }
+        let num_output = r.num_output_tokens();
+        if num_output >= r.stop.min_tokens {
+            if !r.stop.ignore_eos && r.stop.eos_token_id == Some(token) {
+                return Some(FinishReason::Stop);
+            }
+            if r.stop.stop_token_ids.contains(&token) {
+                r.stop_token = Some(token);
+                return Some(FinishReason::Stop);
+            }
+        }
+        if r.tokens.len() >= max_model_len || num_output >= r.stop.max_tokens {
+            return Some(FinishReason::Length);
+        }
+        None
+    }
 
     fn spec(prompt_len: usize, max_tokens: usize) -> RequestSpec {
         RequestSpec {
@@ -359,7 +346,7 @@ mod tests {
 
     proptest::proptest! {
         /// `append_outputs` keeps the same tokens, stops for the same reason and hashes the
-        /// same blocks as appending the tokens one by one with `append_and_check_stop`.
+        /// same blocks as appending the tokens one by one with `append_token`.
         #[test]
         fn append_outputs_matches_token_by_token(
             prompt_len in 1usize..40,
@@ -395,7 +382,7 @@ mod tests {
             let mut want = (0, None);
             for &t in &sampled {
                 want.0 += 1;
-                want.1 = expected.append_and_check_stop(t, max_model_len, Some(&hasher));
+                want.1 = append_token(&mut expected, t, max_model_len, &hasher);
                 if want.1.is_some() {
                     break;
                 }
@@ -426,7 +413,7 @@ mod tests {
         assert!(r.stop.stop_token_ids.as_ref() == [7] && r.spec.stop_token_ids.is_empty());
         let (tokens, hashes) = (r.tokens.as_ptr(), r.block_hashes.as_ptr());
         for t in 0..199 {
-            assert_eq!(r.append_and_check_stop(100 + t, 4096, Some(&hasher)), None);
+            assert_eq!(r.append_outputs(&[100 + t], 4096, Some(&hasher)), (1, None));
         }
         assert_eq!(r.block_hashes.len(), 229 / 16);
         assert_eq!(
@@ -434,8 +421,8 @@ mod tests {
             (tokens, hashes)
         );
         assert_eq!(
-            r.append_and_check_stop(1, 4096, Some(&hasher)),
-            Some(FinishReason::Length)
+            r.append_outputs(&[1], 4096, Some(&hasher)),
+            (1, Some(FinishReason::Length))
         );
     }
 }

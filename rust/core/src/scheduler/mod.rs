@@ -834,8 +834,7 @@ impl Scheduler {
             self.scratch.scheduled[slot as usize] = 0;
             self.scratch.kind[slot as usize] = None;
         }
-        let total = total as usize;
-        out.total_num_scheduled_tokens = total;
+        out.total_num_scheduled_tokens = total as usize;
         out.finished_req_ids.append(&mut self.finished_ids);
         out.scheduler_uid = self.uid;
         if !entries.is_empty() {

@@ -81,9 +81,9 @@ impl Scheduler {
         let mut start = 0usize;
         for (i, (e, &count)) in step.entries.iter().zip(counts).enumerate() {
             let ahead = i + crate::prefetch::DISTANCE;
-            if let (Some(e), Some(&n)) = (step.entries.get(ahead), counts.get(ahead)) {
+            if let (Some(next), Some(&n)) = (step.entries.get(ahead), counts.get(ahead)) {
                 self.store
-                    .prefetch_for_update(e.slot, n as usize, self.config.block_size);
+                    .prefetch_for_update(next.slot, n as usize, self.config.block_size);
             }
             let sampled = &tokens[start..start + count as usize];
             start += count as usize;
