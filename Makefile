@@ -86,9 +86,15 @@ fuzz-ci: ## Replay the fuzz corpus and regressions, then fuzz the core for 30 s 
 	cd rust/fuzz && cargo test --release --quiet
 	scripts/fuzz.sh 30
 
+# The vLLM release series the drop-in supports (dflash_rs.vllm.SUPPORTED_VLLM), one venv each.
+VLLM_VERSIONS := 0.32.0 0.33.0
+
 .PHONY: test-vllm
-test-vllm: $(WHEEL_STAMP) ## vLLM drop-in parity tests in .venv-vllm (built on first use, ~9 GB)
-	DFLASH_RS_NO_OVERLAY=1 scripts/vllm_env.sh --wheel $$(ls dist/dflash_rs-*-abi3-*.whl) test -q
+test-vllm: $(WHEEL_STAMP) ## vLLM drop-in parity tests against vLLM 0.32 and 0.33 (cached venvs, ~9 GB each)
+	for v in $(VLLM_VERSIONS); do \
+		DFLASH_RS_NO_OVERLAY=1 VLLM_VERSION=$$v scripts/vllm_env.sh \
+			--wheel $$(ls dist/dflash_rs-*-abi3-*.whl) test -q || exit 1; \
+	done
 
 .PHONY: soak
 soak: develop ## The 1,000,000-request soak (docs/SOAK.md)

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# The vLLM drop-in's test environment: a separate venv with vLLM 0.33 (CPU is enough) and a
-# dflash-rs wheel installed without dependencies.
+# The vLLM drop-in's test environment: a separate venv with vLLM (PyPI's build; CPU is enough
+# for the scheduler-level tests) and a dflash-rs wheel installed without dependencies.
 #
-#   scripts/vllm_env.sh [--wheel PATH] [test|python|setup] [ARGS...]
+#   VLLM_VERSION=0.33.0 scripts/vllm_env.sh [--wheel PATH] [test|python|setup] [ARGS...]
 #
 #   test    (default) pytest ARGS (tests/vllm unless ARGS name a path)
 #   python  run the venv's python with ARGS (e.g. benches/vllm_dropin.py ...)
 #   setup   only create the venv and install the wheel
 #
-# (a) Creates $VENV_VLLM (default .venv-vllm) if missing, with vllm==$VLLM_VERSION and the
-#     pytest, hypothesis and pytest-benchmark pins of requirements-dev.txt.
+# (a) Creates the venv if missing, with vllm==$VLLM_VERSION (default 0.33.0; 0.32.0 for the
+#     older supported series) and the pytest, hypothesis and pytest-benchmark pins of
+#     requirements-dev.txt. It lives in a cache keyed by those pins,
+#     ${DFLASH_RS_CACHE:-~/.cache/dflash-rs}/venv-vllm-<version>-<hash>, so fresh clones on the
+#     same machine (CI) reuse it; $VENV_VLLM links to it (default .venv-vllm for the newest
+#     series, which the benchmarks use, .venv-vllm-<major.minor> for older ones).
 # (b) Installs the wheel with --no-deps: --wheel PATH, else the newest
 #     dist/dflash_rs-*-abi3-*.whl or .wheelhouse/dflash_rs-*-abi3-*.whl (skipped when that
 #     very file is already installed).
@@ -22,8 +26,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV_VLLM=${VENV_VLLM:-.venv-vllm}
 VLLM_VERSION=${VLLM_VERSION:-0.33.0}
+series=$(cut -d. -f1,2 <<<"$VLLM_VERSION")
+if [[ $series == 0.33 ]]; then default_venv=.venv-vllm; else default_venv=.venv-vllm-$series; fi
+VENV_VLLM=${VENV_VLLM:-$default_venv}
 PY="$VENV_VLLM/bin/python"
 
 wheel=""
@@ -36,12 +42,20 @@ cmd=${1:-test}
 
 pin() { grep -E "^$1==" requirements-dev.txt; }
 
-if [[ ! -x $PY ]]; then
-    echo "creating $VENV_VLLM with vllm==$VLLM_VERSION (several minutes, ~9 GB)" >&2
-    python3 -m venv "$VENV_VLLM"
-    "$PY" -m pip install -q "vllm==$VLLM_VERSION" "$(pin pytest)" "$(pin hypothesis)" "$(pin pytest-benchmark)"
-elif ! "$PY" -c "import pytest, hypothesis, pytest_benchmark" 2>/dev/null; then
-    "$PY" -m pip install -q "$(pin pytest)" "$(pin hypothesis)" "$(pin pytest-benchmark)"
+pins=("vllm==$VLLM_VERSION" "$(pin pytest)" "$(pin hypothesis)" "$(pin pytest-benchmark)")
+key=$(printf '%s\n' "${pins[@]}" | sha256sum | cut -c1-12)
+cache=${DFLASH_RS_CACHE:-$HOME/.cache/dflash-rs}/venv-vllm-$VLLM_VERSION-$key
+if [[ ! -f $cache/.complete ]]; then
+    echo "creating $cache with vllm==$VLLM_VERSION (several minutes, ~9 GB)" >&2
+    rm -rf "$cache"
+    mkdir -p "$(dirname "$cache")"
+    python3 -m venv "$cache"
+    "$cache/bin/python" -m pip install -q "${pins[@]}"
+    touch "$cache/.complete"
+fi
+if [[ $(readlink "$VENV_VLLM" 2>/dev/null) != "$cache" ]]; then
+    [[ -L $VENV_VLLM || ! -e $VENV_VLLM ]] || { echo "$VENV_VLLM is not a link: remove it" >&2; exit 2; }
+    ln -sfn "$cache" "$VENV_VLLM"
 fi
 
 if [[ -z $wheel ]]; then

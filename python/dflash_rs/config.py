@@ -14,6 +14,7 @@ __all__ = ["SPECULATIVE_METHODS", "SchedulerConfig", "SpeculativeConfig"]
 SPECULATIVE_METHODS = ("dflash", "eagle", "eagle3", "mtp", "draft_model", "ngram", "suffix")
 
 _POLICIES = ("fcfs", "priority")
+_VLLM_SEMANTICS = ("0.32", "0.33")
 _LOOKAHEAD_POLICIES = ("correct", "legacy-first-prefill", "legacy-k")
 _HASH_ALGOS = ("sha256", "blake3", "xxh3_128")
 
@@ -68,6 +69,14 @@ class SchedulerConfig:
     before the previous step's output is applied. A request that samples in a step counts the
     tokens it will get as output placeholders and is scheduled again with K placeholder drafts
     (``-1``) that the model runner replaces with its own; outputs are applied in step order.
+    ``draft_slots_per_request`` input slots are charged to the step's token budget for every
+    scheduled request on top of its tokens (vLLM's ``max_num_new_slots_for_drafting``: K for
+    DFlash in vLLM 0.32, 0 in 0.33); 0 by default. ``drop_last_hit_block=True`` gives back the
+    last block of every prefix-cache hit so its tokens are recomputed (vLLM's EAGLE block drop,
+    its default for EAGLE-style drafters, and for DFlash in 0.32). ``vllm_semantics`` names the
+    vLLM release series (``"0.32"`` or ``"0.33"``) whose scheduler is followed where the two
+    differ: when blocks are registered as outputs arrive, a stop's computed-token claim, and
+    priority self-preemption.
     """
 
     num_blocks: int
@@ -86,6 +95,9 @@ class SchedulerConfig:
     verify_prefix_hits: bool = True
     pad_admitted_decodes: bool = False
     async_scheduling: bool = False
+    draft_slots_per_request: int = 0
+    drop_last_hit_block: bool = False
+    vllm_semantics: str = "0.33"
 
     def __post_init__(self) -> None:
         _check_int("num_blocks", self.num_blocks, 2)
@@ -94,11 +106,17 @@ class SchedulerConfig:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _check_int("draft_slots_per_request", self.draft_slots_per_request, 0)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_bool("verify_prefix_hits", self.verify_prefix_hits)
         _check_bool("pad_admitted_decodes", self.pad_admitted_decodes)
         _check_bool("async_scheduling", self.async_scheduling)
+        _check_bool("drop_last_hit_block", self.drop_last_hit_block)
+        if self.vllm_semantics not in _VLLM_SEMANTICS:
+            raise InvalidArgumentError(
+                f"vllm_semantics must be '0.32' or '0.33', got {self.vllm_semantics!r}"
+            )
         if self.policy not in _POLICIES:
             raise InvalidArgumentError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.hash_algo not in _HASH_ALGOS:

@@ -41,6 +41,14 @@ FIRST_TOKEN = 16  # prompt, draft and ordinary sampled tokens come from [16, VOC
 VOCAB = 32000
 
 
+def use_v1_runner(requested: bool) -> bool:
+    """Whether a trace runs on vLLM's V1 model runner: when asked, and always with vLLM 0.32,
+    which builds no V2-runner config without a GPU (its Triton check needs an active driver)."""
+    from dflash_rs.vllm._compat import installed
+
+    return requested or not installed().v2_runner_without_gpu
+
+
 class Divergence(AssertionError):
     """The two schedulers disagreed."""
 
@@ -232,8 +240,9 @@ class Lockstep:
 
         self.p = p
         self.offline = offline
+        self.v1_runner = use_v1_runner(p.v1_runner)
         saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if p.v1_runner else "1"
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if self.v1_runner else "1"
         try:
             cls = AsyncScheduler if p.async_scheduling else Scheduler
             self._build(offline, p, cls, DFlashRsScheduler)
@@ -268,7 +277,7 @@ class Lockstep:
         self.cfg = cfg
         self.vllm = offline.scheduler(Scheduler, cfg, kv)
         self.ours = offline.scheduler(Ours, cfg, kv)
-        assert self.vllm.use_v2_model_runner == (not p.v1_runner)
+        assert self.vllm.use_v2_model_runner == (not self.v1_runner)
         self.hasher = offline.block_hasher(cfg)
 
     # ------------------------------------------------------------------ trace pieces

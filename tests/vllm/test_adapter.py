@@ -23,6 +23,7 @@ from vllm.v1.request import RequestStatus
 
 from dflash_rs.errors import SchedulerStateError
 from dflash_rs.vllm import DFlashRsScheduler
+from dflash_rs.vllm._compat import installed
 
 
 def _runner(out: Any, token: int = 40) -> ModelRunnerOutput:
@@ -188,7 +189,9 @@ def test_request_the_pool_can_never_hold(make_scheduler: Any, offline: Any) -> N
         if done:
             break
     (o,) = done
-    assert o.finish_reason == FinishReason.ERROR and "never hold" in o.error.message
+    assert o.finish_reason == FinishReason.ERROR
+    if installed().output_has_error:  # EngineCoreOutput.error is new in vLLM 0.33
+        assert "never hold" in o.error.message
     assert not s.has_unfinished_requests()
 
 
@@ -245,7 +248,10 @@ def test_reset_with_a_step_in_flight_drops_its_output(make_scheduler: Any, offli
     assert s.reset_prefix_cache(reset_running_requests=True)
     resumed = s.schedule()
     assert resumed.preempted_req_ids == {"a"}
-    assert [r.req_id for r in resumed.scheduled_new_reqs] == ["a"]
+    if s.vllm_config.use_v2_model_runner:
+        assert [r.req_id for r in resumed.scheduled_new_reqs] == ["a"]
+    else:  # the V1 runner gets a resumed request as a cached one with all its tokens
+        assert set(resumed.scheduled_cached_reqs.resumed_req_ids) == {"a"}
     mro = ModelRunnerOutput(["a"], {"a": 0}, sampled_token_ids=[[41, 42]])
     outs = s.update_from_output(pending, mro)
     assert not any(eco.outputs for eco in outs.values())

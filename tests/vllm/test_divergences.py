@@ -62,7 +62,11 @@ def test_pad_admission(offline: Any) -> None:
     tokens, leaving one: vLLM schedules 1 + K = 4 tokens with drafts [-1, -1, -1]."""
     got = []
     prompt = list(range(100, 133))
-    for s, hasher in _both(offline, num_blocks=48, method="dflash", num_speculative_tokens=3):
+    # Without vLLM 0.32's default last-hit-block drop for DFlash, which would leave 17 tokens.
+    nodrop = {"disable_eagle_block_drop": True}
+    for s, hasher in _both(
+        offline, num_blocks=48, method="dflash", num_speculative_tokens=3, speculative=nodrop
+    ):
         s.add_request(offline.request("a", prompt, 1, hasher))
         _run(s, {"a": [50]})
         s.add_request(offline.request("b", prompt, 4, hasher))

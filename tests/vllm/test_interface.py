@@ -1,8 +1,10 @@
-"""Signature drift: vLLM's ``SchedulerInterface`` as the drop-in was written against (0.33).
+"""Signature drift: vLLM's ``SchedulerInterface`` as the drop-in was written against (0.32 and
+0.33, which differ only by ``has_request``, new in 0.33).
 
 ``test_interface_unchanged`` fails when the installed vLLM adds, removes or changes a method of
-``SchedulerInterface`` (abstract or not: name, parameters, kinds, defaults, annotations). Then
-``DFlashRsScheduler`` must be checked against the new contract and ``INTERFACE_0_33`` updated.
+``SchedulerInterface`` (abstract or not: name, parameters, kinds, defaults, annotations) from its
+series' record in ``INTERFACES``. Then ``DFlashRsScheduler`` must be checked against the new
+contract and the record updated.
 The other tests check that ``DFlashRsScheduler`` implements every abstract member with a
 compatible signature and is instantiable.
 """
@@ -17,12 +19,13 @@ import pytest
 # Not "vllm" alone: in the main venv this directory itself imports as a namespace package.
 pytest.importorskip(
     "vllm.v1.core.sched.interface",
-    reason="vLLM 0.33 is not installed here; run these tests with scripts/vllm_env.sh",
+    reason="vLLM is not installed here; run these tests with scripts/vllm_env.sh",
 )
 
 from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
 
 from dflash_rs.vllm import DFlashRsScheduler
+from dflash_rs.vllm._compat import installed
 
 _P = "POSITIONAL_OR_KEYWORD"
 
@@ -150,28 +153,41 @@ def _describe(cls: type) -> dict[str, tuple[Any, ...]]:
     return out
 
 
+#: The interface of each supported series: 0.32 lacks ``has_request``.
+INTERFACES = {
+    "0.33": INTERFACE_0_33,
+    "0.32": {n: spec for n, spec in INTERFACE_0_33.items() if n != "has_request"},
+}
+SERIES = installed().name
+INTERFACE = INTERFACES[SERIES]
+
+
 def test_interface_unchanged() -> None:
     import vllm
 
     now = _describe(SchedulerInterface)
-    added = sorted(set(now) - set(INTERFACE_0_33))
-    removed = sorted(set(INTERFACE_0_33) - set(now))
+    added = sorted(set(now) - set(INTERFACE))
+    removed = sorted(set(INTERFACE) - set(now))
     changed = {
-        n: (INTERFACE_0_33[n], now[n])
-        for n in set(now) & set(INTERFACE_0_33)
-        if now[n] != INTERFACE_0_33[n]
+        n: (INTERFACE[n], now[n]) for n in set(now) & set(INTERFACE) if now[n] != INTERFACE[n]
     }
     assert not (added or removed or changed), (
-        f"vLLM {vllm.__version__}'s SchedulerInterface drifted from 0.33: added {added}, "
-        f"removed {removed}, changed (0.33, now) {changed}"
+        f"vLLM {vllm.__version__}'s SchedulerInterface drifted from {SERIES}: added {added}, "
+        f"removed {removed}, changed (recorded, now) {changed}"
     )
     assert {s.name: s.value for s in PauseState} == PAUSE_STATES_0_33
+
+
+def test_the_series_differ_only_by_has_request() -> None:
+    """The drop-in implements ``has_request`` for both series (0.32's engine never calls it)."""
+    assert set(INTERFACES["0.33"]) - set(INTERFACES["0.32"]) == {"has_request"}
+    assert callable(DFlashRsScheduler.has_request)
 
 
 def test_every_abstract_member_is_implemented() -> None:
     assert not DFlashRsScheduler.__abstractmethods__
     assert set(SchedulerInterface.__abstractmethods__) == {
-        n for n, spec in INTERFACE_0_33.items() if spec[0]
+        n for n, spec in INTERFACE.items() if spec[0]
     }
     for name in SchedulerInterface.__abstractmethods__:
         ours = inspect.getattr_static(DFlashRsScheduler, name)
@@ -179,7 +195,7 @@ def test_every_abstract_member_is_implemented() -> None:
         assert getattr(DFlashRsScheduler, name) is not getattr(SchedulerInterface, name), name
 
 
-@pytest.mark.parametrize("name", sorted(n for n, s in INTERFACE_0_33.items() if s[1] != "property"))
+@pytest.mark.parametrize("name", sorted(n for n, s in INTERFACE.items() if s[1] != "property"))
 def test_signature_compatible(name: str) -> None:
     """Every call the interface allows is a valid call of ours: same parameters in the same
     positions with the same kinds and defaults; extra parameters only with defaults."""

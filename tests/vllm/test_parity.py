@@ -44,6 +44,8 @@ pytest.importorskip(
 
 from parity import Divergence, Lockstep, TraceParams
 
+from dflash_rs.vllm._compat import installed
+
 EAGLE = {"speculative": {"disable_eagle_block_drop": True}}
 
 
@@ -173,6 +175,9 @@ def _params(case: Case, emulate: tuple[str, ...] = ()) -> TraceParams:
 
 
 def _with_marks(case: Case) -> Any:
+    if case.method == "ngram" and case.in_flight and installed().name == "0.32":
+        reason = "vLLM 0.32 refuses async scheduling with the CPU n-gram drafter"
+        return pytest.param(case, id=case.id, marks=(pytest.mark.skip(reason=reason),))
     hit = DIVERGING.get(case)
     if hit is None:
         return pytest.param(case, id=case.id)

@@ -16,7 +16,7 @@ pytest.importorskip(
     reason="vLLM 0.33 is not installed here; run these tests with scripts/vllm_env.sh",
 )
 
-from parity import TraceParams, _norm_engine, compare_outputs
+from parity import TraceParams, _norm_engine, compare_outputs, use_v1_runner
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.outputs import ModelRunnerOutput
@@ -28,7 +28,7 @@ from dflash_rs.vllm import DFlashRsScheduler
 @pytest.fixture
 def pair(offline: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """``pair(**configs)``: [(vLLM's AsyncScheduler, hasher), (ours, None)] on one config."""
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0" if use_v1_runner(False) else "1")
 
     def make(**kwargs: Any) -> list[tuple[Any, Any]]:
         cfg, kv = offline.configs(async_scheduling=True, **kwargs)

@@ -118,6 +118,7 @@ class Vllm:
         self.freeze_gc_heap = freeze_gc_heap
         self.get_hash_fn_by_name = get_hash_fn_by_name
         self.get_request_block_hasher = get_request_block_hasher
+        self.vllm_series = tuple(int(x) for x in vllm.__version__.split(".")[:2])
         self.init_none_hash = init_none_hash
         self.Scheduler = Scheduler
         self.kv = (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec)
@@ -185,9 +186,10 @@ class Vllm:
         )
         hash_fn = self.get_hash_fn_by_name(cache.prefix_caching_hash_algo)
         self.init_none_hash(hash_fn)
-        hasher = self.get_request_block_hasher(
-            p["block_size"], hash_fn, config.num_hash_lookahead_tokens
-        )
+        # Lookahead block hashes are new in vLLM 0.33 (this driver stands alone, without the
+        # package's compatibility module: it runs in a venv that may only hold vLLM).
+        lookahead = (config.num_hash_lookahead_tokens,) if self.vllm_series >= (0, 33) else ()
+        hasher = self.get_request_block_hasher(p["block_size"], hash_fn, *lookahead)
         return sched, hasher
 
     def request(self, rid, prompt, max_tokens, hasher):

@@ -1,4 +1,4 @@
-"""dflash-rs as a drop-in scheduler for vLLM 0.33 (``pip install 'dflash-rs[vllm]'``).
+"""dflash-rs as a drop-in scheduler for vLLM 0.32 and 0.33 (``pip install 'dflash-rs[vllm]'``).
 
     vllm serve MODEL --scheduler-cls dflash_rs.vllm.DFlashRsScheduler
 
@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 
 __all__ = ["SUPPORTED_VLLM", "DFlashRsScheduler"]
 
-#: The vLLM release series the drop-in is written and tested against.
-SUPPORTED_VLLM = "0.33"
+#: The vLLM release series the drop-in is written and tested against, oldest first (what
+#: differs between them: ``dflash_rs.vllm._compat``).
+SUPPORTED_VLLM = ("0.32", "0.33")
 
 
 def __getattr__(name: str) -> Any:

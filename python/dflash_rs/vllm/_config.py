@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from dflash_rs.config import SchedulerConfig, SpeculativeConfig
 from dflash_rs.errors import UnsupportedFeatureError
+from dflash_rs.vllm._compat import installed
 
 __all__ = ["Translated", "translate_config"]
 
@@ -97,9 +98,12 @@ def _check_kv_cache_config(
         )
     if kv_cache_config.needs_kv_cache_zeroing:
         raise _refuse("KV-cache block zeroing (mixed precision or Mamba)", "use one KV dtype")
-    for name in ("hisparse_host_num_blocks", "prefix_cache_retention_interval"):
-        if getattr(kv_cache_config, name, None) is not None:
-            raise _refuse(f"KVCacheConfig.{name}", "leave it unset")
+    if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
+        raise _refuse("KVCacheConfig.hisparse_host_num_blocks", "leave it unset")
+    # The engine sets 0 by default (only semantic checkpoints); with full attention alone
+    # retention has no effect, and vLLM itself rejects any other value for such models.
+    if getattr(kv_cache_config, "prefix_cache_retention_interval", None) not in (None, 0):
+        raise _refuse("KVCacheConfig.prefix_cache_retention_interval", "leave it at 0")
     if getattr(kv_cache_config, "cache_hit_alignment_tokens", None) not in (None, block_size):
         raise _refuse("prefix hits aligned to other than the block size", "leave it unset")
 
@@ -121,23 +125,33 @@ def _speculative(vllm_config: Any) -> Optional[SpeculativeConfig]:
             "dynamic speculative decoding (num_speculative_tokens_per_batch_size)",
             "use a fixed num_speculative_tokens",
         )
-    if spec.max_num_new_slots_for_drafting:
+    if spec.max_num_new_slots_for_drafting and method != "dflash":
+        # DFlash's slots (K in vLLM 0.32) only count against the token budget, which the
+        # core charges (``draft_slots_per_request``); P-EAGLE's also widen the lookahead.
         raise _refuse(
-            "drafters that add query slots per request (parallel drafting, draft_model)",
+            "drafters that add query slots per request (parallel EAGLE)",
             "use a drafter without extra query slots",
         )
     if spec.use_multi_module_mtp():
         raise _refuse(
             "multi-module MTP (prefill lookahead > 1)", "use num_speculative_tokens=1 with MTP"
         )
-    if spec.use_eagle_block_drop() or vllm_config.num_hash_lookahead_tokens:
+    if installed().num_hash_lookahead_tokens(vllm_config):
         raise _refuse(
-            f"vLLM's EAGLE-style prefix-cache guard for {spec.method!r} (block hashes that "
-            "cover the next token, or dropping the last hit block); dflash-rs hashes blocks "
-            "alone for every method",
-            'accept that by adding "disable_eagle_block_drop": true to --speculative-config',
+            f"vLLM 0.33's lookahead block hashes for {spec.method!r} (each block hashed with "
+            "the token after it); dflash-rs hashes blocks alone and can drop the last hit block "
+            "instead, as vLLM does without them",
+            'add "disable_lookahead_block_hashes": true (or "disable_eagle_block_drop": true) '
+            "to --speculative-config",
         )
     return SpeculativeConfig(method, spec.num_speculative_tokens)
+
+
+def _drops_last_hit_block(vllm_config: Any) -> bool:
+    """vLLM's EAGLE block drop: the last block of every prefix-cache hit is recomputed (its
+    default for EAGLE/EAGLE3/MTP, and for DFlash in 0.32, unless disable_eagle_block_drop)."""
+    spec = vllm_config.speculative_config
+    return spec is not None and bool(spec.use_eagle_block_drop())
 
 
 def _check_engine(vllm_config: Any) -> None:
@@ -270,6 +284,11 @@ def translate_config(
         pad_admitted_decodes=speculative is not None,
         # vLLM's AsyncScheduler semantics (output placeholders) when the engine overlaps steps.
         async_scheduling=bool(sched.async_scheduling),
+        drop_last_hit_block=_drops_last_hit_block(vllm_config),
+        vllm_semantics=installed().name,
+        draft_slots_per_request=(
+            vllm_config.speculative_config.max_num_new_slots_for_drafting if speculative else 0
+        ),
     )
     return Translated(
         config=config,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from dflash_rs.vllm._compat import installed
 from dflash_rs.vllm._requests import RequestBook
 
 __all__ = ["OutputBuilder"]
@@ -165,15 +166,18 @@ class OutputBuilder:
 
     def error_output(self, request: Any, message: str, code: str = "validation_error") -> Any:
         """The final output of a request dflash-rs refused or could not serve."""
-        from vllm.outputs import RequestError
+        kwargs: dict[str, Any] = {}
+        if installed().output_has_error:
+            from vllm.outputs import RequestError
 
+            kwargs["error"] = RequestError(code=code, message=message, retryable=False)
         return self.EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=[],
             finish_reason=self.FinishReason.ERROR,
             events=request.take_events(),
             trace_headers=request.trace_headers,
-            error=RequestError(code=code, message=message, retryable=False),
+            **kwargs,
         )
 
     def engine_outputs(

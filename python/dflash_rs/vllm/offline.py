@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from dflash_rs.vllm._compat import installed
+
 __all__ = [
     "VOCAB",
     "OfflineVllm",
@@ -75,7 +77,7 @@ class OfflineVllm:
         import vllm.config as vc
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.kv_cache_utils import init_none_hash
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.request import Request
         from vllm.v1.structured_output import StructuredOutputManager
@@ -85,7 +87,6 @@ class OfflineVllm:
         self._SamplingParams = SamplingParams
         self._Request = Request
         self._get_hash_fn_by_name = get_hash_fn_by_name
-        self._get_request_block_hasher = get_request_block_hasher
         self._init_none_hash = init_none_hash
         self._kv = (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec)
         self._StructuredOutputManager = StructuredOutputManager
@@ -191,9 +192,7 @@ class OfflineVllm:
         cache = vllm_config.cache_config
         hash_fn = self._get_hash_fn_by_name(cache.prefix_caching_hash_algo)
         self._init_none_hash(hash_fn)
-        return self._get_request_block_hasher(
-            cache.block_size, hash_fn, vllm_config.num_hash_lookahead_tokens
-        )
+        return installed().request_block_hasher(cache.block_size, hash_fn, vllm_config)
 
     def request(
         self,

@@ -4,6 +4,7 @@ use crate::error::{invalid, CoreResult};
 use crate::hashing::HashAlgo;
 use crate::lookahead::{LookaheadPolicy, SpecMethod};
 use crate::queue::Policy;
+use crate::semantics::VllmSemantics;
 
 /// Everything that shapes scheduling and allocation.
 #[derive(Debug, Clone)]
@@ -47,6 +48,16 @@ pub struct SchedulerConfig {
     /// previous one's output arrives, counting that output ahead as placeholders (one sampled
     /// token plus the scheduled drafts per request, and K placeholder drafts for the next step).
     pub async_scheduling: bool,
+    /// Input slots each scheduled request takes from the step's token budget on top of its
+    /// scheduled tokens (vLLM's `max_num_new_slots_for_drafting`: K for DFlash in vLLM 0.32,
+    /// 0 for every supported method in 0.33). 0 by default.
+    pub draft_slots_per_request: usize,
+    /// Give back the last block of every prefix-cache hit, so its tokens are recomputed
+    /// (vLLM's EAGLE block drop, its default for EAGLE/EAGLE3/MTP, and for DFlash in 0.32).
+    /// Off by default.
+    pub drop_last_hit_block: bool,
+    /// The vLLM release series followed where their schedulers differ (0.33 by default).
+    pub vllm_semantics: VllmSemantics,
 }
 
 impl SchedulerConfig {
@@ -76,6 +87,9 @@ impl SchedulerConfig {
             verify_prefix_hits: true,
             pad_admitted_decodes: false,
             async_scheduling: false,
+            draft_slots_per_request: 0,
+            drop_last_hit_block: false,
+            vllm_semantics: VllmSemantics::V0_33,
         }
     }
 
@@ -101,6 +115,14 @@ impl SchedulerConfig {
         }
         if self.max_num_batched_tokens == 0 {
             return Err(invalid!("max_num_batched_tokens must be positive"));
+        }
+        if self.draft_slots_per_request >= self.max_num_batched_tokens {
+            return Err(invalid!(
+                "draft_slots_per_request ({}) must be below max_num_batched_tokens ({}): no \
+                 request could be scheduled",
+                self.draft_slots_per_request,
+                self.max_num_batched_tokens
+            ));
         }
         if !self.enable_chunked_prefill && self.max_num_batched_tokens < self.max_model_len {
             // A prompt longer than the budget could never be scheduled in one step.

@@ -79,6 +79,8 @@ pub struct KvCacheManager {
     block_size: usize,
     max_model_len: usize,
     stats: PrefixCacheStats,
+    /// Give back the last block of every prefix-cache hit (vLLM's EAGLE block drop).
+    drop_last_hit_block: bool,
 }
 
 /// `ceil(a / b)`.
@@ -107,7 +109,15 @@ impl KvCacheManager {
             block_size,
             max_model_len,
             stats: PrefixCacheStats::default(),
+            drop_last_hit_block: false,
         })
+    }
+
+    /// Drops the last block of every prefix-cache hit, so that its tokens are recomputed (vLLM's
+    /// default for drafters that read the target's hidden states: EAGLE, EAGLE3, MTP, and DFlash
+    /// in vLLM 0.32). Off by default.
+    pub fn set_drop_last_hit_block(&mut self, on: bool) {
+        self.drop_last_hit_block = on;
     }
 
     /// Turns verification of prefix-cache hits (on by default) on or off; only while nothing is
@@ -170,6 +180,9 @@ impl KvCacheManager {
                 Some(b) => hits.push(b),
                 None => break,
             }
+        }
+        if self.drop_last_hit_block {
+            hits.pop();
         }
         let hit_tokens = hits.len() * self.block_size;
         self.stats.requests += 1;

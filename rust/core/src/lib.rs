@@ -25,6 +25,7 @@ pub mod queue;
 pub mod request;
 pub mod request_store;
 pub mod scheduler;
+pub mod semantics;
 pub mod sha256;
 
 pub use block_pool::{BlockPool, NULL_BLOCK};
@@ -37,3 +38,4 @@ pub use output::{EntryKind, RequestUpdate, StepOutput, UpdateOutput};
 pub use queue::Policy;
 pub use request::{FinishReason, RequestSpec, RequestStatus};
 pub use scheduler::{PauseState, Scheduler, SchedulerStats};
+pub use semantics::VllmSemantics;

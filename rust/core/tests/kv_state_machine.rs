@@ -1439,3 +1439,25 @@ fn evictable_hits_count_against_capacity() {
     assert_eq!(mgr.num_free_blocks(), 4);
     mgr.check_invariants([&req_b]).unwrap();
 }
+
+#[test]
+fn the_eagle_block_drop_gives_back_the_last_hit_block() {
+    let mut mgr = KvCacheManager::new(32, 16, 1024, true).unwrap();
+    let a = hashed((0..55).collect(), 16);
+    let mut req_a = RequestBlocks::default();
+    let args = AllocateArgs {
+        num_new_tokens: 55,
+        ..Default::default()
+    };
+    assert_eq!(allocate(&mut mgr, &mut req_a, &a, args), Some(0));
+    let b = hashed((0..48).chain(900..905).collect(), 16);
+    let mut hits = Vec::new();
+    assert_eq!(mgr.get_computed_blocks(b.view(), &mut hits), 48);
+    mgr.set_drop_last_hit_block(true);
+    assert_eq!(mgr.get_computed_blocks(b.view(), &mut hits), 32);
+    assert_eq!(hits, req_a.block_ids[..2]);
+    // A one-block hit drops to none.
+    let c = hashed((0..16).chain(700..710).collect(), 16);
+    assert_eq!(mgr.get_computed_blocks(c.view(), &mut hits), 0);
+    assert!(hits.is_empty());
+}

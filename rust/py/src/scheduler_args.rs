@@ -2,7 +2,9 @@
 
 use dflash_core::lookahead::{LookaheadPolicy, SpecMethod};
 use dflash_core::request::token_capacity;
-use dflash_core::{ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec, SchedulerConfig};
+use dflash_core::{
+    ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec, SchedulerConfig, VllmSemantics,
+};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
@@ -55,6 +57,25 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         c.pad_admitted_decodes = v
             .extract()
             .map_err(|_| invalid(py, "config.pad_admitted_decodes must be a bool"))?;
+    }
+    if let Ok(v) = config.getattr("draft_slots_per_request") {
+        c.draft_slots_per_request = v.extract().map_err(|_| {
+            invalid(
+                py,
+                "config.draft_slots_per_request must be a non-negative int",
+            )
+        })?;
+    }
+    if let Ok(v) = config.getattr("drop_last_hit_block") {
+        c.drop_last_hit_block = v
+            .extract()
+            .map_err(|_| invalid(py, "config.drop_last_hit_block must be a bool"))?;
+    }
+    if let Ok(v) = config.getattr("vllm_semantics") {
+        let name: String = v
+            .extract()
+            .map_err(|_| invalid(py, "config.vllm_semantics must be a str"))?;
+        c.vllm_semantics = VllmSemantics::from_name(&name).py(py)?;
     }
     if let Ok(v) = config.getattr("async_scheduling") {
         c.async_scheduling = v

@@ -10,6 +10,7 @@
 //! tokens as output placeholders (already in `num_computed_tokens`) and gets K placeholder
 //! drafts, so the next step schedules 1 + K tokens for it; outputs resolve the placeholders.
 
+mod budget;
 mod invariants;
 mod pause;
 mod update;
@@ -18,6 +19,8 @@ pub use pause::PauseState;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use budget::StepBudget;
 
 use crate::batch_rows::BatchRows;
 use crate::block_table::BlockTable;
@@ -30,6 +33,7 @@ use crate::output::{EntryKind, StepOutput};
 use crate::queue::{Policy, PriorityKey, WaitingQueue};
 use crate::request::{FinishReason, Request, RequestSpec, RequestStatus};
 use crate::request_store::RequestStore;
+use crate::semantics::VllmSemantics;
 
 /// Counters since construction.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -177,6 +181,7 @@ impl Scheduler {
             config.enable_prefix_caching,
         )?;
         kv.set_verify_hits(config.verify_prefix_hits)?;
+        kv.set_drop_last_hit_block(config.drop_last_hit_block);
         let hasher = config
             .enable_prefix_caching
             .then(|| BlockHasher::new(config.hash_algo, config.block_size, &config.hash_seed));
@@ -410,9 +415,12 @@ impl Scheduler {
         crate::fault::hit("schedule.begin")?;
         out.clear();
         self.scratch.ensure(self.store_capacity());
-        let mut budget = self.config.max_num_batched_tokens;
+        let mut budget = StepBudget::new(
+            self.config.max_num_batched_tokens,
+            self.config.draft_slots_per_request,
+        );
         if self.pause == PauseState::PausedAll {
-            budget = 0; // vLLM: a step that schedules nothing but reports finished ids
+            budget.tokens = 0; // vLLM: a step that schedules nothing but reports finished ids
         }
         let mut scheduled_order: Vec<u32> = Vec::with_capacity(self.running.len());
         let mut preempted_any = false;
@@ -437,7 +445,7 @@ impl Scheduler {
     /// its prefill was scheduled.
     fn schedule_running(
         &mut self,
-        budget: &mut usize,
+        budget: &mut StepBudget,
         scheduled_order: &mut Vec<u32>,
         preempted_any: &mut bool,
         out: &mut StepOutput,
@@ -447,7 +455,7 @@ impl Scheduler {
         let threshold = self.config.long_prefill_token_threshold;
         let max_model_len = self.config.max_model_len;
         let mut index = 0;
-        while index < self.running.len() && *budget > 0 {
+        while index < self.running.len() && budget.can_schedule() {
             // Running order mostly follows row order: the row a few requests ahead is where a
             // new block of theirs will be written (a hint; a wrong row costs nothing).
             self.rows.prefetch_append(index + crate::prefetch::DISTANCE);
@@ -470,7 +478,7 @@ impl Scheduler {
             let length_cap = max_model_len
                 .saturating_sub(1 + computed)
                 .max(r.num_tokens().saturating_sub(computed));
-            num_new = num_new.min(*budget).min(length_cap);
+            num_new = num_new.min(budget.cap()).min(length_cap);
             if num_new == 0 {
                 index += 1;
                 continue;
@@ -506,7 +514,7 @@ impl Scheduler {
                 if victim_index < index {
                     // Priority policy: the victim was already scheduled this step; undo it, and
                     // take back the prefix-cache entries it registered for KV never computed.
-                    *budget += self.scratch.scheduled[victim as usize] as usize;
+                    budget.give_back(self.scratch.scheduled[victim as usize] as usize);
                     let cached_before = self.scratch.cached_before[victim as usize] as usize;
                     self.scratch.unschedule(victim);
                     scheduled_order.retain(|&s| s != victim);
@@ -524,8 +532,11 @@ impl Scheduler {
                     // Ended above: the pool can never hold it; `running` is empty now.
                     break;
                 }
-                if self.config.policy == Policy::Priority {
-                    // The current request preempted itself; try the next one (vLLM 0.33).
+                if self.config.policy == Policy::Priority
+                    && self.config.vllm_semantics == VllmSemantics::V0_33
+                {
+                    // The current request preempted itself; try the next one (vLLM 0.33; 0.32
+                    // ends the running phase here).
                     continue;
                 }
                 break;
@@ -546,7 +557,7 @@ impl Scheduler {
             self.scratch.num_spec[s] = r.spec_token_ids.len() as u32;
             prefill_scheduled |= r.is_prefill_chunk;
             scheduled_order.push(slot);
-            *budget -= num_new;
+            budget.take(num_new);
             index += 1;
         }
         Ok(prefill_scheduled)
@@ -601,7 +612,7 @@ impl Scheduler {
     /// whose stale output is still in flight is passed over and keeps its place.
     fn schedule_waiting(
         &mut self,
-        budget: &mut usize,
+        budget: &mut StepBudget,
         scheduled_order: &mut Vec<u32>,
         prefill_scheduled: bool,
     ) -> CoreResult<()> {
@@ -617,7 +628,7 @@ impl Scheduler {
 
     fn admit_waiting(
         &mut self,
-        budget: &mut usize,
+        budget: &mut StepBudget,
         scheduled_order: &mut Vec<u32>,
         prefill_scheduled: bool,
         passed_over: &mut Vec<u32>,
@@ -625,7 +636,7 @@ impl Scheduler {
         let threshold = self.config.long_prefill_token_threshold;
         let k = self.config.num_speculative_tokens;
         let num_running_scheduled = scheduled_order.len();
-        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
+        while budget.can_schedule() && self.running.len() < self.config.max_num_seqs {
             let Some(slot) = self.waiting.peek() else {
                 break;
             };
@@ -656,12 +667,13 @@ impl Scheduler {
                 && (num_running_scheduled > 0 || hit_tokens > 0)
                 && hit_tokens + 1 + k < self.config.max_model_len // room for the sampled token
                 && (threshold == 0 || threshold > k);
+            let cap = budget.cap();
             let pad = pad && {
-                if 1 + k > *budget && num_running_scheduled > 0 {
+                if 1 + k > cap && num_running_scheduled > 0 {
                     break; // vLLM: rather not schedule it than schedule it unpadded
                 }
                 // Alone, a budget below 1 + K would block it forever: schedule it unpadded.
-                k < *budget
+                k < cap
             };
             if pad {
                 num_new = 1 + k;
@@ -669,10 +681,10 @@ impl Scheduler {
             if threshold > 0 && num_new > threshold {
                 num_new = threshold;
             }
-            if !self.config.enable_chunked_prefill && num_new > *budget {
+            if !self.config.enable_chunked_prefill && num_new > cap {
                 break;
             }
-            num_new = num_new.min(*budget);
+            num_new = num_new.min(cap);
             let lookahead = self.lookahead_for(AllocationKind::Admission {
                 num_computed_tokens: computed_before_hits,
             });
@@ -729,7 +741,7 @@ impl Scheduler {
             }
             self.scratch.num_spec[s] = r.spec_token_ids.len() as u32;
             scheduled_order.push(slot);
-            *budget -= num_new;
+            budget.take(num_new);
         }
         Ok(())
     }

@@ -4,6 +4,7 @@ use crate::error::{broken, invalid, CoreError, CoreResult};
 use crate::kv_manager::SequenceView;
 use crate::output::{RequestUpdate, UpdateOutput};
 use crate::request::{FinishReason, RequestStatus};
+use crate::semantics::VllmSemantics;
 
 use super::Scheduler;
 
@@ -74,7 +75,9 @@ impl Scheduler {
             .pop_front()
             .ok_or_else(|| broken!("in-flight step vanished"))?;
         let max_model_len = self.config.max_model_len;
-        let cache_at_update = self.config.num_speculative_tokens > 0;
+        let v0_32 = self.config.vllm_semantics == VllmSemantics::V0_32;
+        let cache_at_update = self.config.num_speculative_tokens > 0 && !v0_32;
+        let async_scheduling = self.config.async_scheduling;
         let mut finished: Vec<(u32, u32, FinishReason)> = Vec::new();
         let mut to_cache = std::mem::take(&mut self.scratch.to_cache);
         to_cache.clear();
@@ -135,13 +138,27 @@ impl Scheduler {
             let had_placeholders = r.num_output_placeholders > 0;
             let (kept, finish) = r.append_outputs(sampled, max_model_len, self.hasher.as_ref());
             out.new_token_ids.extend_from_slice(&sampled[..kept]);
-            // Tokens after a stop are discarded; so is their claim to computed KV (vLLM trims
-            // num_computed_tokens the same way before caching blocks).
+            // Tokens after a stop are discarded; so is their claim to computed KV (vLLM 0.33
+            // trims num_computed_tokens the same way before caching blocks; 0.32 keeps it and
+            // resolves only the kept tokens' placeholders).
             if !stale {
-                r.num_computed_tokens -= (sampled.len() - kept).min(r.num_computed_tokens);
-                r.num_output_placeholders = r.num_output_placeholders.saturating_sub(sampled.len());
+                if v0_32 {
+                    r.num_output_placeholders = r.num_output_placeholders.saturating_sub(kept);
+                } else {
+                    r.num_computed_tokens -= (sampled.len() - kept).min(r.num_computed_tokens);
+                    r.num_output_placeholders =
+                        r.num_output_placeholders.saturating_sub(sampled.len());
+                }
             }
-            if (cache_at_update || had_placeholders) && was_running && !stale {
+            // vLLM 0.32 registers blocks here only under async scheduling (its AsyncScheduler),
+            // stale output of a request running again included, up to the tokens no
+            // placeholder holds.
+            let cache_now = if v0_32 {
+                async_scheduling && was_running
+            } else {
+                (cache_at_update || had_placeholders) && was_running && !stale
+            };
+            if cache_now {
                 // As vLLM 0.33 does with speculative decoding: register the blocks that the
                 // accepted tokens filled now, not at the next allocation, so they stay
                 // cached if the request is preempted or finishes before that. Registered in a
@@ -150,7 +167,12 @@ impl Scheduler {
                 // prefetch reaches one token further, to the end of the known tokens: a block
                 // that the last sampled token completes is registered by the next allocation,
                 // whose lines are then already cached.
-                let done = r.num_computed_tokens.saturating_sub(r.num_in_flight_tokens);
+                let not_done = if v0_32 {
+                    r.num_output_placeholders
+                } else {
+                    r.num_in_flight_tokens
+                };
+                let done = r.num_computed_tokens.saturating_sub(not_done);
                 if self
                     .kv
                     .prefetch_cache_blocks(&r.blocks, r.sequence(), r.num_tokens())
