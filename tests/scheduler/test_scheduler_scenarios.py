@@ -224,6 +224,44 @@ def test_preempt_during_execution() -> None:
     assert sched.waiting_request_ids() == ["1", "short"]
 
 
+def test_prefix_stats_count_admissions_as_vllm_does() -> None:
+    """``prefix_cache_admitted_*`` counts a first admission's lookup once, when it is admitted
+    (not the lookups of steps that could not admit it), and ``prefix_cache_resumed_*`` a
+    re-admission after a preemption: vLLM's ``requests``/``queries``/``hits`` and
+    ``preempted_*``. The lookup counters (``prefix_cache_queries``) count every lookup."""
+    sched = make_scheduler(11, max_num_batched_tokens=100, block_size=16)
+    r0, r1 = make_requests(2, num_tokens=80)
+    sched.add_request(r0)
+    out0 = schedule(sched)
+    sched.add_request(r1)
+    out1 = schedule(sched)
+    apply(sched, out0, [[0]])
+    out2 = schedule(sched)  # preempts "1"
+    assert out2.preempted_req_ids == {"1"}
+    apply(sched, out1, [[42]])
+    apply(sched, out2, [[0]])
+    for _ in range(3):  # "1" (81 tokens, 6 blocks) cannot come back: 4 blocks are free
+        out = schedule(sched)
+        assert "1" not in out.num_scheduled_tokens
+        apply(sched, out, [[0]])
+    s = sched.stats()
+    admitted = [s[f"prefix_cache_admitted_{k}"] for k in ("requests", "queries", "hits")]
+    assert admitted == [2, 160, 0]
+    assert s["prefix_cache_resumed_requests"] == 0
+    assert s["prefix_cache_queries"] > 160  # its failed lookups, counted by the pool
+    sched.finish_requests(["0"])
+    out = schedule(sched)
+    assert "1" in out.num_scheduled_tokens
+    resumed = sched.stats()
+    # Re-admitted with some of its full prompt blocks still cached (one went to "0").
+    requests, queries, hits = (
+        resumed[f"prefix_cache_resumed_{k}"] for k in ("requests", "queries", "hits")
+    )
+    assert (requests, queries) == (1, 81)
+    assert 0 < hits <= 80 and hits % 16 == 0
+    assert resumed["prefix_cache_admitted_requests"] == 2
+
+
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
 def test_scheduler_reset_prefix_cache(enable_prefix_caching: bool) -> None:
     sched = make_scheduler(enable_prefix_caching=enable_prefix_caching)

@@ -667,6 +667,12 @@ class Lockstep:
                 )
 
     def _compare_stats(self, step: int, ov: dict[int, Any], od: dict[int, Any]) -> None:
+        def _prefix_counters(p: Any) -> tuple[int, ...]:
+            names = ("requests", "queries", "hits")
+            return tuple(getattr(p, n) for n in names) + tuple(
+                getattr(p, f"preempted_{n}") for n in names
+            )
+
         def stats(outs: dict[int, Any]) -> Any:
             s = next((e.scheduler_stats for e in outs.values() if e.scheduler_stats), None)
             if s is None:
@@ -677,6 +683,7 @@ class Lockstep:
                 s.num_waiting_reqs + s.num_skipped_waiting_reqs,
                 round(s.kv_cache_usage, 9),
                 s.prefix_cache_stats.reset,
+                _prefix_counters(s.prefix_cache_stats),
                 None
                 if sd is None
                 else (

@@ -1,4 +1,4 @@
-"""Parity: vLLM 0.33's own ``Scheduler`` and ``DFlashRsScheduler``, step by step, same traces;
+"""Parity: vLLM's own ``Scheduler`` (0.32 and 0.33) and ``DFlashRsScheduler``, step by step;
 and, with async scheduling, vLLM's ``AsyncScheduler`` and ``DFlashRsScheduler`` driven by the
 engine's async loop (step N+1 scheduled before step N's output is applied).
 
@@ -6,7 +6,8 @@ Each case drives both schedulers through one seeded trace (``parity.Lockstep``):
 prompts, a pool small enough to preempt, chunked prefill, random acceptance of random drafts,
 EOS/stop tokens, random aborts. After every call it compares the scheduled requests and token
 counts, spec tokens, new/cached request data (block ids included), preempted and finished ids,
-the EngineCoreOutputs (tokens, finish and stop reasons), SchedulerStats and the per-request
+the EngineCoreOutputs (tokens, finish and stop reasons), SchedulerStats (prefix-cache counters of
+first admissions and of re-admissions included) and the per-request
 state (including ``num_output_placeholders``). The first difference fails the case with its
 seed, step and field.
 
@@ -20,7 +21,6 @@ Adaptations for intended differences (docs/ARCHITECTURE.md, "vLLM drop-in"):
   can never hold) do not arise; arrival times are distinct, so priority ties do not either.
 - Order inside dicts and lists is not compared where vLLM's consumers key by request id:
   dflash-rs lays the batch out in its persistent block-table row order.
-- Prefix-cache stats are not compared: dflash-rs counts every lookup, vLLM only admissions.
 - The fabricated sampler behaves like a real one: no stop token below ``min_tokens``, and the
   ``-1`` placeholder drafts vLLM pads some admissions with are never accepted.
 

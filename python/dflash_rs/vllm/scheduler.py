@@ -105,7 +105,7 @@ class DFlashRsScheduler(SchedulerInterface):
         self._finished_dict: Optional[dict[int, set[str]]] = {} if include_finished_set else None
         #: The latest dflash-rs step (drafts in its batch order take the array path).
         self._last_core_out: Any = None
-        self._prefix_snapshot = (0, 0, 0)
+        self._prefix_snapshot: tuple[int, ...] = (0,) * 6
         #: A prefix-cache reset since the last stats (vLLM's ``PrefixCacheStats.reset``).
         self._prefix_reset = False
         zeros = [0] * self.num_spec_tokens
@@ -335,14 +335,24 @@ class DFlashRsScheduler(SchedulerInterface):
 
     def _make_stats(self, core_out: Any, invalid: list[tuple[int, int]]) -> SchedulerStats:
         s = self._core.stats()
-        prefix = (s["prefix_cache_requests"], s["prefix_cache_queries"], s["prefix_cache_hits"])
+        # Counted at admission, as vLLM does: first admissions, and re-admissions after a
+        # preemption apart (a lookup that admitted nobody is not counted).
+        prefix = tuple(
+            s[f"prefix_cache_{kind}_{what}"]
+            for kind in ("admitted", "resumed")
+            for what in ("requests", "queries", "hits")
+        )
         old = self._prefix_snapshot
         self._prefix_snapshot = prefix
+        delta = [a - b for a, b in zip(prefix, old)]
         prefix_stats = PrefixCacheStats(
             reset=self._prefix_reset,
-            requests=prefix[0] - old[0],
-            queries=prefix[1] - old[1],
-            hits=prefix[2] - old[2],
+            requests=delta[0],
+            queries=delta[1],
+            hits=delta[2],
+            preempted_requests=delta[3],
+            preempted_queries=delta[4],
+            preempted_hits=delta[5],
         )
         self._prefix_reset = False
         spec_stats = None

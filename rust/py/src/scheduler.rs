@@ -648,6 +648,14 @@ impl PyScheduler {
             d.set_item("prefix_cache_requests", p.requests)?;
             d.set_item("prefix_cache_queries", p.queries)?;
             d.set_item("prefix_cache_hits", p.hits)?;
+            for (name, a) in [
+                ("admitted", &s.admitted_prefix),
+                ("resumed", &s.resumed_prefix),
+            ] {
+                d.set_item(format!("prefix_cache_{name}_requests"), a.requests)?;
+                d.set_item(format!("prefix_cache_{name}_queries"), a.queries)?;
+                d.set_item(format!("prefix_cache_{name}_hits"), a.hits)?;
+            }
             d.set_item("spec_num_drafts", s.num_drafts)?;
             d.set_item("spec_num_draft_tokens", s.num_draft_tokens)?;
             d.set_item("spec_num_accepted_tokens", s.num_accepted_tokens)?;

@@ -54,6 +54,11 @@ pub struct SchedulerStats {
     pub num_drafts_by_count: Vec<u64>,
     /// Requests finished.
     pub num_finished: u64,
+    /// Prefix-cache lookups of first admissions, counted when the request is scheduled, as
+    /// vLLM's `PrefixCacheStats` counts them (a lookup that did not lead to an admission is not).
+    pub admitted_prefix: PrefixCacheStats,
+    /// The same for re-admissions after a preemption (vLLM's `preempted_*` counters).
+    pub resumed_prefix: PrefixCacheStats,
 }
 
 impl SchedulerStats {
@@ -723,6 +728,16 @@ impl Scheduler {
             } else {
                 EntryKind::New
             };
+            if self.config.enable_prefix_caching {
+                let stats = if r.num_preemptions > 0 {
+                    &mut self.stats.resumed_prefix
+                } else {
+                    &mut self.stats.admitted_prefix
+                };
+                stats.requests += 1;
+                stats.queries += r.num_tokens() as u64;
+                stats.hits += hit_tokens as u64;
+            }
             r.status = RequestStatus::Running;
             r.num_computed_tokens = hit_tokens;
             let blocks = std::mem::take(&mut r.blocks.block_ids);

@@ -1,0 +1,203 @@
+"""One real vLLM engine serving a list of cases, run as a subprocess by the engine tests.
+
+    python tests/engine/serve.py SPEC_JSON
+
+``SPEC_JSON`` (a JSON string) holds ``engine`` (``vllm.LLM`` keyword arguments, model paths
+included), ``scheduler`` (``"vllm"`` for vLLM's own, ``"dflash-rs"`` for
+``dflash_rs.vllm.DFlashRsScheduler``), ``cases`` and ``out`` (where the JSON result goes).
+
+A case is ``{"name", "requests": [{"prompt", "params", ...}], "engine"?, "abort"?}``:
+``prompt`` is a token-id list, ``params`` ``SamplingParams`` keyword arguments (greedy and
+``detokenize=False`` unless given), ``priority`` optional. Without ``engine`` the requests go to
+``LLM.generate``, one call per ``wave`` (default 0, in order). With ``engine`` the worker drives
+``LLM.llm_engine`` (the ``LLMEngine`` that ``LLM`` builds with ``from_engine_args``) itself:
+``add_request`` before step ``arrive`` (default 0), ``step()`` until all have finished, and
+``abort_request`` for request ``i`` right after ``abort[i]`` steps.
+
+The result holds, per case, per request index: the token ids and finish reason of each
+completion (``"aborted"`` with the tokens seen so far for aborted requests), the deltas of
+vLLM's metric counters over the case (``stats``) and a trace of the scheduler (``schedule``,
+see ``record_schedule``); or ``error`` if the case raised. Engine construction errors are
+reported as a top-level ``error``. The process exits with ``os._exit`` (an in-process engine's
+interpreter teardown is slow and noisy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+SCHEDULERS = {"vllm": None, "dflash-rs": "dflash_rs.vllm.DFlashRsScheduler"}
+#: vLLM counters reported per case (summed over their label sets).
+COUNTERS = (
+    "vllm:num_preemptions",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+
+
+def counters(llm: Any) -> dict[str, float]:
+    """Current values of ``COUNTERS``."""
+    from vllm.v1.metrics.reader import Counter
+
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for m in llm.get_metrics():
+        if isinstance(m, Counter) and m.name in out:
+            out[m.name] += m.value
+    return out
+
+
+def record_schedule(scheduler: Any, trace: list[Any]) -> None:
+    """Appends one entry per ``schedule()`` call (sorted ``[request id, scheduled tokens,
+    scheduled drafts]`` rows, sorted preempted ids) and per ``update_draft_token_ids`` call
+    (``[request id, drafts]`` rows, what the model runner proposed)."""
+    schedule, update_drafts = scheduler.schedule, scheduler.update_draft_token_ids
+
+    def traced_schedule(*args: Any, **kwargs: Any) -> Any:
+        out = schedule(*args, **kwargs)
+        spec = out.scheduled_spec_decode_tokens
+        rows = sorted([r, n, len(spec.get(r, ()))] for r, n in out.num_scheduled_tokens.items())
+        trace.append({"scheduled": rows, "preempted": sorted(out.preempted_req_ids or ())})
+        return out
+
+    def traced_update_drafts(draft_token_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        ids, drafts = draft_token_ids.req_ids, draft_token_ids.draft_token_ids
+        trace.append({"drafts": sorted([r, list(d)] for r, d in zip(ids, drafts))})
+        return update_drafts(draft_token_ids, *args, **kwargs)
+
+    scheduler.schedule = traced_schedule
+    scheduler.update_draft_token_ids = traced_update_drafts
+
+
+def sampling_params(params: dict[str, Any]) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(**({"temperature": 0.0, "detokenize": False} | params))
+
+
+def completions(out: Any) -> list[dict[str, Any]]:
+    return [{"token_ids": list(c.token_ids), "finish_reason": c.finish_reason} for c in out.outputs]
+
+
+def run_generate(llm: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    waves = sorted({r.get("wave", 0) for r in requests})
+    for wave in waves:
+        idx = [i for i, r in enumerate(requests) if r.get("wave", 0) == wave]
+        prompts = [{"prompt_token_ids": requests[i]["prompt"]} for i in idx]
+        params = [sampling_params(requests[i]["params"]) for i in idx]
+        priority = [requests[i].get("priority", 0) for i in idx]
+        outs = llm.generate(prompts, params, use_tqdm=False, priority=priority)
+        for i, out in zip(idx, outs):
+            results[str(i)] = completions(out)
+    return results
+
+
+def run_steps(llm: Any, case: dict[str, Any]) -> dict[str, Any]:
+    """Drives ``LLMEngine`` step by step: request ``i`` is added before step ``arrive`` (default
+    0) and aborted after ``abort[i]`` steps (a no-op if it has finished by then)."""
+    engine = llm.llm_engine
+    requests, abort = case["requests"], case.get("abort", {})
+    ids = [f"{case['name']}-{i}" for i in range(len(requests))]
+    latest: dict[str, Any] = {}
+    aborted: set[str] = set()
+    steps, last_arrival = 0, max(r.get("arrive", 0) for r in requests)
+    while steps <= last_arrival or engine.has_unfinished_requests():
+        for rid, r in zip(ids, requests):
+            if r.get("arrive", 0) == steps:
+                params = sampling_params(r["params"])
+                prompt = {"prompt_token_ids": r["prompt"]}
+                engine.add_request(rid, prompt, params, priority=r.get("priority", 0))
+        for out in engine.step():
+            latest[out.request_id] = out
+        steps += 1
+        due = [ids[int(i)] for i, s in abort.items() if s == steps]
+        if due:
+            engine.abort_request(due)
+            aborted.update(rid for rid in due if not (rid in latest and latest[rid].finished))
+        if steps > 10_000:
+            raise RuntimeError("the engine did not finish in 10000 steps")
+    results: dict[str, Any] = {}
+    for i, rid in enumerate(ids):
+        out = latest.get(rid)
+        if rid in aborted:
+            toks = list(out.outputs[0].token_ids) if out is not None else []
+            results[str(i)] = [{"token_ids": toks, "finish_reason": "aborted"}]
+        else:
+            results[str(i)] = completions(out)
+    return results
+
+
+def serve(spec: dict[str, Any]) -> dict[str, Any]:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Request ids as given (vLLM appends random characters otherwise): the same in both runs.
+    os.environ["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
+    t0 = time.perf_counter()
+    import vllm
+    from vllm import LLM
+
+    doc: dict[str, Any] = {"vllm_version": vllm.__version__, "cases": {}}
+    kwargs = dict(spec["engine"])
+    cls = SCHEDULERS[spec["scheduler"]]
+    if cls is not None:
+        kwargs["scheduler_cls"] = cls
+    try:
+        llm = LLM(**kwargs)
+    except Exception as e:
+        return doc | {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    core = llm.llm_engine.engine_core.engine_core
+    sched = type(core.scheduler)
+    doc["scheduler_class"] = f"{sched.__module__}.{sched.__qualname__}"
+    doc["startup_s"] = time.perf_counter() - t0
+    trace: list[Any] = []
+    record_schedule(core.scheduler, trace)
+    for case in spec["cases"]:
+        t = time.perf_counter()
+        before = counters(llm)
+        del trace[:]
+        try:
+            if case.get("engine"):
+                outputs = run_steps(llm, case)
+            else:
+                outputs = run_generate(llm, case["requests"])
+        except Exception as e:
+            doc["cases"][case["name"]] = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(),
+            }
+            continue
+        after = counters(llm)
+        doc["cases"][case["name"]] = {
+            "outputs": outputs,
+            "stats": {k.removeprefix("vllm:"): after[k] - before[k] for k in COUNTERS},
+            "schedule": list(trace),
+            "wall_s": time.perf_counter() - t,
+        }
+    doc["total_s"] = time.perf_counter() - t0
+    return doc
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    try:
+        doc = serve(spec)
+    except BaseException as e:
+        doc = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    with open(spec["out"], "w") as f:
+        json.dump(doc, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
