@@ -1145,3 +1145,60 @@ def test_block_table_too_large_raises_instead_of_aborting(kwargs: str) -> None:
         raise RuntimeError(done.stderr)
     assert done.returncode == 0, (done.returncode, done.stderr[-300:])
     assert "InvalidArgumentError: cannot allocate block table" in done.stdout
+
+
+class _RaisingIndex:
+    """A token whose ``__index__`` raises ``exc``."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __index__(self) -> int:
+        raise self.exc
+
+
+_FATAL_CALLS: Dict[str, Callable[[Scheduler, Any, Any], Any]] = {
+    "prompt": lambda s, out, t: s.add_request(Request("new", [1, t, 3], 4)),
+    "sampled": lambda s, out, t: s.update_from_output(
+        out, ModelRunnerOutput(list(out.req_ids), [[3, t], [5, 6]])
+    ),
+    "drafts": lambda s, out, t: s.update_draft_token_ids({"run": [4, t]}),
+}
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit, MemoryError])
+@pytest.mark.parametrize("where", list(_FATAL_CALLS))
+def test_base_exceptions_inside_a_token_propagate_unchanged(
+    where: str, exc: Type[BaseException]
+) -> None:
+    """A ``KeyboardInterrupt`` (or ``SystemExit``, ``MemoryError``) raised while a token is
+    converted reaches the caller as itself, not as ``InvalidArgumentError``; nothing changes."""
+    sched, out = populated()
+    before = snapshot(sched)
+    raised = exc()
+    with pytest.raises(exc) as info:
+        _FATAL_CALLS[where](sched, out, _RaisingIndex(raised))
+    assert info.value is raised
+    assert snapshot(sched) == before
+    sched.check_invariants()
+    results = sched.update_from_output(out, good_output(out))
+    assert {r.request_id: r.new_token_ids for r in results} == {"run": [3, 9], "run2": [5, 6]}
+
+
+def test_a_drafts_dict_mutated_while_parsed_is_parsed_as_it_was() -> None:
+    """A token whose ``__index__`` adds a key to the drafts dict being parsed: no Rust panic
+    (``PanicException``) crosses into Python; the items as they were when parsing began apply."""
+    sched, out = populated()
+    drafts: Dict[str, Any] = {}
+
+    class Mutating:
+        def __index__(self) -> int:
+            drafts["late"] = [1]
+            return 7
+
+    drafts["run"] = [Mutating(), 8]
+    sched.update_from_output(out, good_output(out))
+    sched.update_draft_token_ids(drafts)
+    nxt = sched.schedule()
+    assert nxt.scheduled_spec_decode_tokens["run"] == [7, 8]
+    sched.check_invariants()

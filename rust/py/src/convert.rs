@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyList};
 use std::fmt::Display;
 
-use crate::errors::invalid;
+use crate::errors::{invalid, unless_fatal};
 
 /// Largest token id accepted (token ids are int32 on the GPU side).
 pub const MAX_TOKEN_ID: i64 = i32::MAX as i64;
@@ -62,7 +62,9 @@ pub fn token_ids_with_capacity(
         // The common case from Python (one list per request): no numpy type checks first.
         let mut values = Vec::with_capacity(capacity(list.len()));
         for item in list.iter() {
-            let t: i64 = item.extract().map_err(|_| not_a_sequence(py, what))?;
+            let t: i64 = item
+                .extract()
+                .map_err(|e| unless_fatal(py, e, || not_a_sequence(py, what)))?;
             values.push(check_token(py, what, values.len(), t)?);
         }
         return Ok(values);
@@ -96,7 +98,9 @@ pub fn token_ids_with_capacity(
             format!("{what} must be a sequence of ints, not a string"),
         ));
     }
-    let values: Vec<i64> = obj.extract().map_err(|_| not_a_sequence(py, what))?;
+    let values: Vec<i64> = obj
+        .extract()
+        .map_err(|e| unless_fatal(py, e, || not_a_sequence(py, what)))?;
     values
         .iter()
         .enumerate()

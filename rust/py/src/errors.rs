@@ -1,7 +1,7 @@
 //! Maps core errors onto the Python exception classes of `dflash_rs.errors`.
 
 use dflash_core::CoreError;
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyException, PyMemoryError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::PyType;
 
@@ -46,4 +46,15 @@ impl<T> IntoPyResult<T> for Result<T, CoreError> {
 /// An `InvalidArgumentError` with the given message.
 pub fn invalid(py: Python<'_>, message: impl Into<String>) -> PyErr {
     py_error(py, "InvalidArgumentError", message.into())
+}
+
+/// `err` itself where it must reach the caller unchanged, else `typed()`: a conversion that
+/// failed because Python raised `KeyboardInterrupt`, `SystemExit` (any `BaseException` that is
+/// not an `Exception`) or `MemoryError` re-raises it instead of reporting a bad argument.
+pub fn unless_fatal(py: Python<'_>, err: PyErr, typed: impl FnOnce() -> PyErr) -> PyErr {
+    if !err.is_instance_of::<PyException>(py) || err.is_instance_of::<PyMemoryError>(py) {
+        err
+    } else {
+        typed()
+    }
 }

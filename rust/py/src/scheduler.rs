@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString};
 
 use crate::convert::{strict_bool, token_ids};
-use crate::errors::{invalid, to_py, IntoPyResult};
+use crate::errors::{invalid, to_py, unless_fatal, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::outputs::{
     LazyParts, PyNewRequestData, PyRequestOutput, PySchedulerOutput, PyUpdateResult,
@@ -220,7 +220,11 @@ impl State {
         let mut counts = Vec::new();
         for (i, item) in lists
             .try_iter()
-            .map_err(|_| invalid(py, "sampled_token_ids must be a sequence"))?
+            .map_err(|e| {
+                unless_fatal(py, e, || {
+                    invalid(py, "sampled_token_ids must be a sequence")
+                })
+            })?
             .enumerate()
         {
             let item = item?;
@@ -251,9 +255,9 @@ impl State {
         if runner_ids.is(expected) {
             return Ok(());
         }
-        let n = runner_ids
-            .len()
-            .map_err(|_| invalid(py, "req_ids must be a sequence of str"))?;
+        let n = runner_ids.len().map_err(|e| {
+            unless_fatal(py, e, || invalid(py, "req_ids must be a sequence of str"))
+        })?;
         if n != expected.len() {
             return Err(invalid(
                 py,
@@ -438,9 +442,11 @@ impl PyScheduler {
         let ids: Vec<String> = if let Ok(s) = request_ids.extract::<String>() {
             vec![s]
         } else {
-            request_ids
-                .extract()
-                .map_err(|_| invalid(py, "request_ids must be a str or an iterable of str"))?
+            request_ids.extract().map_err(|e| {
+                unless_fatal(py, e, || {
+                    invalid(py, "request_ids must be a str or an iterable of str")
+                })
+            })?
         };
         self.state.with(py, |st| {
             let done = st
@@ -533,11 +539,13 @@ impl PyScheduler {
 
     /// Sets the pause state (see `pause_state`); takes effect at the next `schedule()`.
     fn set_pause_state(&self, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<()> {
-        let name: String = state.extract().map_err(|_| {
-            invalid(
-                py,
-                "pause state must be \"unpaused\", \"paused_new\" or \"paused_all\"",
-            )
+        let name: String = state.extract().map_err(|e| {
+            unless_fatal(py, e, || {
+                invalid(
+                    py,
+                    "pause state must be \"unpaused\", \"paused_new\" or \"paused_all\"",
+                )
+            })
         })?;
         let pause = PauseState::from_name(&name).py(py)?;
         self.state.with(py, |st| {
@@ -707,11 +715,13 @@ impl PyScheduler {
         build: impl FnOnce(&State) -> PyResult<R>,
     ) -> PyResult<R> {
         let out = output.get();
-        let runner_ids = runner_output.getattr(intern!(py, "req_ids")).map_err(|_| {
-            invalid(
-                py,
-                "runner_output must be a ModelRunnerOutput (it has no req_ids)",
-            )
+        let runner_ids = runner_output.getattr(intern!(py, "req_ids")).map_err(|e| {
+            unless_fatal(py, e, || {
+                invalid(
+                    py,
+                    "runner_output must be a ModelRunnerOutput (it has no req_ids)",
+                )
+            })
         })?;
         State::check_req_ids(py, out, &runner_ids)?;
         let (tokens, counts) = State::sampled_from_runner(py, runner_output)?;
@@ -775,7 +785,7 @@ impl PyScheduler {
     }
 }
 
-/// Parses `{req_id: [token, ...]}`.
+/// Parses `{req_id: [token, ...]}` (the items as they were when parsing began).
 fn parse_draft_dict(
     py: Python<'_>,
     drafts: &Bound<'_, PyAny>,
@@ -784,10 +794,15 @@ fn parse_draft_dict(
         .cast::<PyDict>()
         .map_err(|_| invalid(py, "draft token ids must be a dict[str, list[int]]"))?;
     let mut parsed: Vec<(String, Vec<u32>)> = Vec::with_capacity(dict.len());
-    for (k, v) in dict.iter() {
-        let id: String = k
-            .extract()
-            .map_err(|_| invalid(py, "draft token ids must be keyed by request id (str)"))?;
+    // A snapshot of the items: a token's `__index__` may mutate the dict while it is parsed,
+    // which would make a live iterator panic.
+    for item in dict.items().iter() {
+        let (k, v) = item.extract::<(Bound<'_, PyAny>, Bound<'_, PyAny>)>()?;
+        let id: String = k.extract().map_err(|e| {
+            unless_fatal(py, e, || {
+                invalid(py, "draft token ids must be keyed by request id (str)")
+            })
+        })?;
         let tokens = token_ids(&v, format_args!("draft_token_ids[{id:?}]"))?;
         parsed.push((id, tokens));
     }

@@ -10,12 +10,16 @@ use pyo3::prelude::*;
 use pyo3::types::PyString;
 
 use crate::convert::{int_named, non_negative, token_ids, token_ids_with_capacity, Int};
-use crate::errors::{invalid, IntoPyResult};
+use crate::errors::{invalid, unless_fatal, IntoPyResult};
 
 fn attr<'py, T: FromPyObjectOwned<'py>>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<T> {
     let py = obj.py();
     obj.getattr(name)
-        .map_err(|_| invalid(py, format!("config has no attribute {name:?}")))?
+        .map_err(|e| {
+            unless_fatal(py, e, || {
+                invalid(py, format!("config has no attribute {name:?}"))
+            })
+        })?
         .extract::<T>()
         .map_err(|_| invalid(py, format!("config.{name} has the wrong type")))
 }
@@ -23,9 +27,11 @@ fn attr<'py, T: FromPyObjectOwned<'py>>(obj: &Bound<'py, PyAny>, name: &str) -> 
 pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
     let py = config.py();
     let count = |name: &str| -> PyResult<usize> {
-        let value = config
-            .getattr(name)
-            .map_err(|_| invalid(py, format!("config has no attribute {name:?}")))?;
+        let value = config.getattr(name).map_err(|e| {
+            unless_fatal(py, e, || {
+                invalid(py, format!("config has no attribute {name:?}"))
+            })
+        })?;
         let value = int_named(&value, &format!("config.{name}")).map_err(|e| {
             if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) {
                 invalid(py, format!("config.{name} has the wrong type"))
@@ -49,38 +55,48 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
     c.hash_algo = HashAlgo::from_name(&attr::<String>(config, "hash_algo")?).py(py)?;
     // Optional, so configs written for earlier versions keep working.
     if let Ok(v) = config.getattr("verify_prefix_hits") {
-        c.verify_prefix_hits = v
-            .extract()
-            .map_err(|_| invalid(py, "config.verify_prefix_hits must be a bool"))?;
+        c.verify_prefix_hits = v.extract().map_err(|e| {
+            unless_fatal(py, e, || {
+                invalid(py, "config.verify_prefix_hits must be a bool")
+            })
+        })?;
     }
     if let Ok(v) = config.getattr("pad_admitted_decodes") {
-        c.pad_admitted_decodes = v
-            .extract()
-            .map_err(|_| invalid(py, "config.pad_admitted_decodes must be a bool"))?;
+        c.pad_admitted_decodes = v.extract().map_err(|e| {
+            unless_fatal(py, e, || {
+                invalid(py, "config.pad_admitted_decodes must be a bool")
+            })
+        })?;
     }
     if let Ok(v) = config.getattr("draft_slots_per_request") {
-        c.draft_slots_per_request = v.extract().map_err(|_| {
-            invalid(
-                py,
-                "config.draft_slots_per_request must be a non-negative int",
-            )
+        c.draft_slots_per_request = v.extract().map_err(|e| {
+            unless_fatal(py, e, || {
+                invalid(
+                    py,
+                    "config.draft_slots_per_request must be a non-negative int",
+                )
+            })
         })?;
     }
     if let Ok(v) = config.getattr("drop_last_hit_block") {
-        c.drop_last_hit_block = v
-            .extract()
-            .map_err(|_| invalid(py, "config.drop_last_hit_block must be a bool"))?;
+        c.drop_last_hit_block = v.extract().map_err(|e| {
+            unless_fatal(py, e, || {
+                invalid(py, "config.drop_last_hit_block must be a bool")
+            })
+        })?;
     }
     if let Ok(v) = config.getattr("vllm_semantics") {
-        let name: String = v
-            .extract()
-            .map_err(|_| invalid(py, "config.vllm_semantics must be a str"))?;
+        let name: String = v.extract().map_err(|e| {
+            unless_fatal(py, e, || invalid(py, "config.vllm_semantics must be a str"))
+        })?;
         c.vllm_semantics = VllmSemantics::from_name(&name).py(py)?;
     }
     if let Ok(v) = config.getattr("async_scheduling") {
-        c.async_scheduling = v
-            .extract()
-            .map_err(|_| invalid(py, "config.async_scheduling must be a bool"))?;
+        c.async_scheduling = v.extract().map_err(|e| {
+            unless_fatal(py, e, || {
+                invalid(py, "config.async_scheduling must be a bool")
+            })
+        })?;
     }
     c.lookahead_policy =
         LookaheadPolicy::from_name(&attr::<String>(config, "lookahead_policy")?).py(py)?;
@@ -127,12 +143,15 @@ fn opt_token(py: Python<'_>, what: &str, v: Option<Int>) -> PyResult<Option<u32>
 pub fn request_spec<'py>(req: &Bound<'py, PyAny>, max_model_len: usize) -> PyResult<RequestSpec> {
     let py = req.py();
     let get = |name: &Bound<'py, PyString>| -> PyResult<Bound<'py, PyAny>> {
-        req.getattr(name)
-            .map_err(|_| invalid(py, format!("request has no attribute \"{name}\"")))
+        req.getattr(name).map_err(|e| {
+            unless_fatal(py, e, || {
+                invalid(py, format!("request has no attribute \"{name}\""))
+            })
+        })
     };
     let request_id: String = get(intern!(py, "request_id"))?
         .extract()
-        .map_err(|_| invalid(py, "request_id must be a str"))?;
+        .map_err(|e| unless_fatal(py, e, || invalid(py, "request_id must be a str")))?;
     let max_tokens = int_named(&get(intern!(py, "max_tokens"))?, "max_tokens")?;
     let room_for = usize::try_from(max_tokens).unwrap_or(0);
     let prompt = token_ids_with_capacity(
