@@ -62,6 +62,10 @@ class Request:
         value = self.min_tokens
         if type(value) is not int or not 0 <= value <= _INT64_MAX:
             _check_int("min_tokens", value, 0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidArgumentError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
         value = self.priority
         if type(value) is not int or not _INT64_MIN <= value <= _INT64_MAX:
             _check_int("priority", value, _INT64_MIN)

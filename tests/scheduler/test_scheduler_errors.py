@@ -560,6 +560,33 @@ CASES: Dict[str, Case] = {
         InvalidArgumentError,
         "keyed by request id",
     ),
+    "drafts longer than K": Case(
+        lambda s, o: s.update_draft_token_ids({"run2": [1], "run": [1, 2, 3, 4]}),
+        InvalidArgumentError,
+        'request "run" got 4 draft tokens but at most K = 3 can be verified',
+    ),
+    "draft arrays longer than K": Case(
+        lambda s, o: s.update_draft_token_ids_from_arrays(
+            o, np.array([1, 2, 3, 4], dtype=np.int32), np.array([0, 4], dtype=np.int32)
+        ),
+        InvalidArgumentError,
+        "the request at batch index 1 got 4 draft tokens but at most K = 3",
+    ),
+    "runner drafts longer than K": Case(
+        lambda s, o: s.update_from_output(
+            o,
+            ModelRunnerOutput(
+                list(o.req_ids), good_sampled(o), draft_token_ids=[[1], [1, 2, 3, 4]]
+            ),
+        ),
+        InvalidArgumentError,
+        "draft_token_ids[1] has 4 tokens but at most K = 3",
+    ),
+    "min_tokens above max_tokens (duck)": Case(
+        lambda s, o: s.add_request(duck_request(min_tokens=5, max_tokens=4)),
+        InvalidArgumentError,
+        "min_tokens (5) must be <= max_tokens (4)",
+    ),
     "draft arrays: counts do not sum": Case(
         lambda s, o: s.update_draft_token_ids_from_arrays(
             o, np.array([1, 2, 3], dtype=np.int32), np.array([1, 1], dtype=np.int32)
@@ -1202,3 +1229,40 @@ def test_a_drafts_dict_mutated_while_parsed_is_parsed_as_it_was() -> None:
     nxt = sched.schedule()
     assert nxt.scheduled_spec_decode_tokens["run"] == [7, 8]
     sched.check_invariants()
+
+
+def test_min_tokens_above_max_tokens_is_refused_at_construction() -> None:
+    with pytest.raises(InvalidArgumentError, match=re.escape("min_tokens (5) must be <=")):
+        Request("r", [1, 2], 4, min_tokens=5)
+    assert Request("r", [1, 2], 4, min_tokens=4).min_tokens == 4
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        lambda: {"run", "wait"},
+        lambda: (i for i in ["run", "wait"]),
+        lambda: {"run": 0, "wait": 1}.keys(),
+        lambda: ("run", "wait"),
+    ],
+    ids=["set", "generator", "dict-keys", "tuple"],
+)
+def test_finish_requests_takes_any_iterable_of_ids(ids: Callable[[], Any]) -> None:
+    """As its stub says (``Iterable[str]``): sets, generators and dict views too."""
+    sched, _ = populated()
+    assert sorted(sched.finish_requests(ids())) == ["run", "wait"]
+    assert sched.running_request_ids() == ["run2"] and sched.waiting_request_ids() == []
+    sched.check_invariants()
+
+
+def test_an_error_raised_by_the_ids_iterable_propagates() -> None:
+    sched, _ = populated()
+    before = snapshot(sched)
+
+    def ids() -> Any:
+        yield "run"
+        raise LookupError("from the caller's generator")
+
+    with pytest.raises(LookupError, match="caller's generator"):
+        sched.finish_requests(ids())
+    assert snapshot(sched) == before

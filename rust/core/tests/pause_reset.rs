@@ -120,7 +120,8 @@ fn sync_step_in_flight_at_reset_is_dropped_and_the_requests_resume_at_once() {
     let mut s = three_decoding(SpecMethod::DFlash, 3, false);
     let s0 = schedule(&mut s);
     apply(&mut s, &s0, |_| vec![50]);
-    s.update_draft_token_ids([("a", &[60u32, 61, 62][..])]);
+    s.update_draft_token_ids([("a", &[60u32, 61, 62][..])])
+        .unwrap();
     let s1 = schedule(&mut s); // a verifies three drafts; b and c decode
     assert_eq!(s1.total_num_scheduled_tokens, 4 + 1 + 1);
     let tokens: Vec<usize> = ["a", "b", "c"]

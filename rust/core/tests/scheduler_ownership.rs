@@ -123,7 +123,9 @@ fn run(w: &Workload, policy: LookaheadPolicy) -> Result<dflash_core::SchedulerSt
             .filter_map(|u| sched.requests().get(u.slot).ok())
             .map(|r| (r.spec.request_id.clone(), vec![1; w.k]))
             .collect();
-        sched.update_draft_token_ids(drafts.iter().map(|(id, d)| (id.as_str(), d.as_slice())));
+        sched
+            .update_draft_token_ids(drafts.iter().map(|(id, d)| (id.as_str(), d.as_slice())))
+            .map_err(|e| e.to_string())?;
     }
     sched.check_invariants().map_err(|e| e.to_string())?;
     Ok(sched.stats().clone())

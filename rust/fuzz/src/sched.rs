@@ -818,7 +818,9 @@ impl Harness {
                     (id, d)
                 })
                 .collect();
-            self.sched
+            // More than K drafts is refused and installs nothing (checked by the invariants).
+            let _ = self
+                .sched
                 .update_draft_token_ids(drafts.iter().map(|(id, d)| (id.as_str(), d.as_slice())));
         }
     }
@@ -998,7 +1000,9 @@ impl Harness {
                 .filter_map(|u| self.sched.requests().get(u.slot).ok())
                 .map(|r| (r.spec.request_id.clone(), vec![10; k]))
                 .collect();
-            self.sched
+            // More than K drafts is refused and installs nothing (checked by the invariants).
+            let _ = self
+                .sched
                 .update_draft_token_ids(drafts.iter().map(|(id, d)| (id.as_str(), d.as_slice())));
         }
         self.stats.drain_steps = steps as u32;

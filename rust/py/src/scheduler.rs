@@ -403,9 +403,9 @@ impl PyScheduler {
     ) -> PyResult<usize> {
         let parsed = parse_draft_dict(py, draft_token_ids)?;
         self.state.with(py, |st| {
-            Ok(st
-                .inner
-                .update_draft_token_ids(parsed.iter().map(|(id, t)| (id.as_str(), t.as_slice()))))
+            st.inner
+                .update_draft_token_ids(parsed.iter().map(|(id, t)| (id.as_str(), t.as_slice())))
+                .py(py)
         })
     }
 
@@ -439,14 +439,24 @@ impl PyScheduler {
         status: &str,
     ) -> PyResult<Vec<String>> {
         let reason = finish_reason_from_name(py, status)?;
+        let not_ids = || invalid(py, "request_ids must be a str or an iterable of str");
         let ids: Vec<String> = if let Ok(s) = request_ids.extract::<String>() {
             vec![s]
         } else {
-            request_ids.extract().map_err(|e| {
-                unless_fatal(py, e, || {
-                    invalid(py, "request_ids must be a str or an iterable of str")
-                })
-            })?
+            // Any iterable (list, tuple, set, dict keys, generator); what its iteration raises
+            // propagates.
+            let mut ids = Vec::new();
+            for item in request_ids
+                .try_iter()
+                .map_err(|e| unless_fatal(py, e, not_ids))?
+            {
+                ids.push(
+                    item?
+                        .extract::<String>()
+                        .map_err(|e| unless_fatal(py, e, not_ids))?,
+                );
+            }
+            ids
         };
         self.state.with(py, |st| {
             let done = st
@@ -752,6 +762,20 @@ impl PyScheduler {
         };
         self.state.with(py, |st| {
             st.check_owner(py, out)?;
+            let k = st.inner.config().num_speculative_tokens;
+            if let Some(lists) = &draft_lists {
+                // Checked before the output is applied, so that a refusal changes nothing.
+                if let Some(i) = lists.iter().position(|d| d.len() > k) {
+                    return Err(invalid(
+                        py,
+                        format!(
+                            "draft_token_ids[{i}] has {} tokens but at most K = {k} can be \
+                             verified",
+                            lists[i].len()
+                        ),
+                    ));
+                }
+            }
             if out.parts.slots.is_empty() {
                 // An empty step awaits no output.
                 if !tokens.is_empty() {
@@ -772,12 +796,15 @@ impl PyScheduler {
             }
             let result = build(st)?;
             if let Some(lists) = &draft_lists {
-                st.inner.update_draft_token_ids(
-                    draft_ids
-                        .iter()
-                        .map(String::as_str)
-                        .zip(lists.iter().map(Vec::as_slice)),
-                );
+                // Cannot fail: every list was checked against K above.
+                st.inner
+                    .update_draft_token_ids(
+                        draft_ids
+                            .iter()
+                            .map(String::as_str)
+                            .zip(lists.iter().map(Vec::as_slice)),
+                    )
+                    .py(py)?;
             }
             st.forget_finished();
             Ok(result)

@@ -167,7 +167,7 @@ pub fn request_spec<'py>(req: &Bound<'py, PyAny>, max_model_len: usize) -> PyRes
     } else {
         arrival.extract()?
     };
-    Ok(RequestSpec {
+    let spec = RequestSpec {
         request_id,
         prompt_token_ids: prompt,
         max_tokens: non_negative(py, "max_tokens", max_tokens)?,
@@ -187,5 +187,16 @@ pub fn request_spec<'py>(req: &Bound<'py, PyAny>, max_model_len: usize) -> PyRes
             lora_name: get(intern!(py, "lora_name"))?.extract()?,
             cache_salt: get(intern!(py, "cache_salt"))?.extract()?,
         },
-    })
+    };
+    if spec.min_tokens > spec.max_tokens {
+        // vLLM refuses it too (SamplingParams): the request could never stop before max_tokens.
+        return Err(invalid(
+            py,
+            format!(
+                "min_tokens ({}) must be <= max_tokens ({})",
+                spec.min_tokens, spec.max_tokens
+            ),
+        ));
+    }
+    Ok(spec)
 }

@@ -352,11 +352,21 @@ impl Scheduler {
     }
 
     /// Installs draft tokens for the next step; ignores unknown, finished, waiting and
-    /// prefill-chunk requests. Returns how many requests took drafts.
-    pub fn update_draft_token_ids<'a>(
-        &mut self,
-        drafts: impl IntoIterator<Item = (&'a str, &'a [u32])>,
-    ) -> usize {
+    /// prefill-chunk requests. Returns how many requests took drafts. More than K drafts for any
+    /// request is refused (`InvalidArgument`) and installs nothing.
+    pub fn update_draft_token_ids<'a, I>(&mut self, drafts: I) -> CoreResult<usize>
+    where
+        I: IntoIterator<Item = (&'a str, &'a [u32])>,
+        I::IntoIter: Clone,
+    {
+        let drafts = drafts.into_iter();
+        let k = self.config.num_speculative_tokens;
+        if let Some((id, tokens)) = drafts.clone().find(|(_, t)| t.len() > k) {
+            return Err(invalid!(
+                "request {id:?} got {} draft tokens but at most K = {k} can be verified",
+                tokens.len()
+            ));
+        }
         let mut applied = 0;
         for (id, tokens) in drafts {
             let Some(slot) = self.store.slot_of(id) else {
@@ -370,7 +380,7 @@ impl Scheduler {
                 }
             }
         }
-        applied
+        Ok(applied)
     }
 
     /// Draft tokens for a step's batch, given as (slot, generation) per entry, in batch order;
@@ -394,6 +404,14 @@ impl Scheduler {
             return Err(invalid!(
                 "draft counts sum to {total} but {} draft tokens were given",
                 tokens.len()
+            ));
+        }
+        let k = self.config.num_speculative_tokens;
+        if let Some(i) = counts.iter().position(|&c| c as usize > k) {
+            return Err(invalid!(
+                "the request at batch index {i} got {} draft tokens but at most K = {k} can be \
+                 verified",
+                counts[i]
             ));
         }
         let mut applied = 0;
