@@ -767,7 +767,7 @@ impl Harness {
         let len = || {
             let x = usize::from(n);
             if x % 8 == 7 {
-                k + 1 + x / 8 % 4 // more drafts than K
+                k + 1 + x / 8 % 4 // more drafts than K: refused
             } else {
                 x % (k + 1)
             }
@@ -796,11 +796,22 @@ impl Harness {
                 self.stats.refused_calls += 1;
                 return;
             }
-            if let Err(e) = self
+            let over_k = counts.iter().any(|&c| c as usize > k);
+            let before = over_k.then(|| self.snapshot());
+            match self
                 .sched
                 .update_draft_token_ids_for_slots(&slots, &tokens, &counts)
             {
-                panic!("well-formed draft update by slot failed: {e}");
+                Err(_) if over_k => {
+                    assert_eq!(
+                        before,
+                        Some(self.snapshot()),
+                        "refused drafts changed state"
+                    );
+                    self.stats.refused_calls += 1;
+                }
+                Err(e) => panic!("well-formed draft update by slot failed: {e}"),
+                Ok(_) => assert!(!over_k, "more than K drafts by slot accepted"),
             }
         } else {
             let ids: Vec<String> = self
@@ -818,10 +829,23 @@ impl Harness {
                     (id, d)
                 })
                 .collect();
-            // More than K drafts is refused and installs nothing (checked by the invariants).
-            let _ = self
+            let over_k = drafts.iter().any(|(_, d)| d.len() > k);
+            let before = over_k.then(|| self.snapshot());
+            let res = self
                 .sched
                 .update_draft_token_ids(drafts.iter().map(|(id, d)| (id.as_str(), d.as_slice())));
+            match res {
+                Err(_) if over_k => {
+                    assert_eq!(
+                        before,
+                        Some(self.snapshot()),
+                        "refused drafts changed state"
+                    );
+                    self.stats.refused_calls += 1;
+                }
+                Err(e) => panic!("well-formed draft update failed: {e}"),
+                Ok(_) => assert!(!over_k, "more than K drafts accepted"),
+            }
         }
     }
 
@@ -1000,10 +1024,23 @@ impl Harness {
                 .filter_map(|u| self.sched.requests().get(u.slot).ok())
                 .map(|r| (r.spec.request_id.clone(), vec![10; k]))
                 .collect();
-            // More than K drafts is refused and installs nothing (checked by the invariants).
-            let _ = self
+            let over_k = drafts.iter().any(|(_, d)| d.len() > k);
+            let before = over_k.then(|| self.snapshot());
+            let res = self
                 .sched
                 .update_draft_token_ids(drafts.iter().map(|(id, d)| (id.as_str(), d.as_slice())));
+            match res {
+                Err(_) if over_k => {
+                    assert_eq!(
+                        before,
+                        Some(self.snapshot()),
+                        "refused drafts changed state"
+                    );
+                    self.stats.refused_calls += 1;
+                }
+                Err(e) => panic!("well-formed draft update failed: {e}"),
+                Ok(_) => assert!(!over_k, "more than K drafts accepted"),
+            }
         }
         self.stats.drain_steps = steps as u32;
         self.check("drain end");
