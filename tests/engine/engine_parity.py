@@ -48,24 +48,7 @@ QWEN3: dict[str, Any] = {
     "torch_dtype": "bfloat16",
     "tie_word_embeddings": False,
 }
-LLAMA: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": VOCAB,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
-}
+LLAMA: dict[str, Any] = {**QWEN3, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
 MODELS: dict[str, dict[str, Any]] = {
     "qwen3": QWEN3,
     "llama": LLAMA,
