@@ -72,7 +72,7 @@ def test_prefill_decode_and_chunk_inputs_by_hand():
     sched.add_request(Request("a", list(range(100, 120)), 8))
     sched.add_request(Request("b", list(range(200, 230)), 8))
     out = sched.schedule()
-    assert out.req_ids == ["a", "b"]
+    assert list(out.req_ids) == ["a", "b"]
     inputs = kernel_inputs_from_output(out, next_token_ids=np.array([7, 204], dtype=np.int64))
     assert inputs.target_positions.dtype == torch.int64
     assert inputs.target_positions.tolist() == [*range(20), *range(4)]
@@ -87,7 +87,7 @@ def test_prefill_decode_and_chunk_inputs_by_hand():
 
     feed(sched, out, [[7], []], {"a": [1, 2, 3]})
     out = sched.schedule()
-    assert out.req_ids == ["a", "b"]
+    assert list(out.req_ids) == ["a", "b"]
     assert out.scheduled_spec_decode_tokens == {"a": [1, 2, 3]}
     inputs = kernel_inputs_from_output(
         out, next_token_ids=[9, 220], num_rejected_tokens=torch.tensor([2, 0])

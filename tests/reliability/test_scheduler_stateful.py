@@ -607,7 +607,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert results == []
         out = self.s.schedule()
         self.tracker.on_schedule(out)
-        assert out.req_ids == []
+        assert list(out.req_ids) == []
         self.s.update_from_output(out, ModelRunnerOutput([], []))
         assert self.tracker.reported_finished == self.submitted
         assert_scheduler_empty(self.s, self.cfg.num_blocks)

@@ -207,7 +207,7 @@ def check_schedule_rules(
     assert not preempted & set(out.req_ids)
     if preempted:
         # No waiting request is admitted in a step that preempted.
-        assert out.scheduled_new_reqs == []
+        assert list(out.scheduled_new_reqs) == []
         remaining = [r for r in prev_running if r not in preempted]
         if wl.policy == "fcfs":
             # The victim is always the last running request.
@@ -332,7 +332,7 @@ def simulate(wl: Workload, lookahead_policy: str = "correct") -> Report:
     tracker.on_finish_requests(sched.finish_requests(live), "abort")
     out = sched.schedule()
     tracker.on_schedule(out)
-    assert out.req_ids == []
+    assert list(out.req_ids) == []
     sched.update_from_output(out, ModelRunnerOutput([], []))
     assert tracker.reported_finished == set(keys)
     assert_scheduler_empty(sched, wl.num_blocks)

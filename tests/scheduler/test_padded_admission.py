@@ -113,5 +113,5 @@ def test_a_budget_below_one_plus_k_does_not_block_a_lone_admission() -> None:
         _step(s)
     s.add_request(Request("b", [1, 2, 3, 4, 5], 1))
     out = _step(s)
-    assert out.req_ids == ["b"] and out.num_scheduled_tokens["b"] == 1
+    assert list(out.req_ids) == ["b"] and out.num_scheduled_tokens["b"] == 1
     assert not s.has_unfinished_requests()

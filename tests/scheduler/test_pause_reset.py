@@ -236,7 +236,7 @@ def test_without_drop_the_stale_output_is_delivered() -> None:
     assert s.preempt_all_running(drop_stale_outputs=False) == ["b", "a"]
     assert s.waiting_request_ids() == ["a", "b"]
     held = schedule(s)  # waiting for their stale output
-    assert held.req_ids == [] and held.preempted_req_ids == {"a", "b"}
+    assert list(held.req_ids) == [] and held.preempted_req_ids == {"a", "b"}
     result = apply(s, pending)
     assert sorted(r.request_id for r in result) == ["a", "b"]
     assert apply(s, held) == []
@@ -261,7 +261,7 @@ def test_a_request_aborted_after_the_reset_is_reported_finished_and_preempted() 
     assert s.finish_requests("a") == ["a"]
     out = schedule(s)
     assert out.finished_req_ids == {"a"} and out.preempted_req_ids == {"a", "b"}
-    assert out.req_ids == ["b"]
+    assert list(out.req_ids) == ["b"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -277,16 +277,16 @@ def test_paused_new_runs_running_requests_only() -> None:
     assert s.pause_state == "paused_new"
     for _ in range(3):
         out = schedule(s)
-        assert out.req_ids == ["a"]
+        assert list(out.req_ids) == ["a"]
         apply(s, out)
     assert s.waiting_request_ids() == ["new"]
     # Preempted requests wait in the same queue: not resumed while paused.
     s.preempt_all_running(drop_stale_outputs=False)
     out = schedule(s)
-    assert out.req_ids == [] and out.preempted_req_ids == {"a"}
+    assert list(out.req_ids) == [] and out.preempted_req_ids == {"a"}
     apply(s, out)
     s.set_pause_state("unpaused")
-    assert schedule(s).req_ids == ["a", "new"]
+    assert list(schedule(s).req_ids) == ["a", "new"]
 
 
 def test_paused_all_schedules_nothing_but_reports_ids() -> None:
@@ -295,17 +295,17 @@ def test_paused_all_schedules_nothing_but_reports_ids() -> None:
     first = schedule(s)
     s.set_pause_state("paused_all")
     out = schedule(s)
-    assert out.req_ids == [] and out.total_num_scheduled_tokens == 0
+    assert list(out.req_ids) == [] and out.total_num_scheduled_tokens == 0
     assert len(apply(s, first)) == 3  # the step in flight still applies
     apply(s, out)
     s.finish_requests(["b"])
     s.reset_prefix_cache(reset_running_requests=True)
     out = schedule(s)
-    assert out.req_ids == []
+    assert list(out.req_ids) == []
     assert out.finished_req_ids == {"b"} and out.preempted_req_ids == {"a", "c"}
     apply(s, out)
     s.set_pause_state("unpaused")
-    assert schedule(s).req_ids == ["a", "c"]
+    assert list(schedule(s).req_ids) == ["a", "c"]
 
 
 # ------------------------------------------------------------------------------------------

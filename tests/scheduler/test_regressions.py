@@ -120,6 +120,6 @@ def test_prompt_whose_lookahead_overflows_the_pool_is_refused_at_admission() -> 
     sched.add_request(Request("fits", list(range(1, 11)), max_tokens=1))
     while sched.has_unfinished_requests():
         out = sched.schedule()
-        assert out.req_ids == ["fits"], "the request that fits is served"
+        assert list(out.req_ids) == ["fits"], "the request that fits is served"
         sched.update_from_output(out, _outputs_for(out))
     sched.check_invariants()

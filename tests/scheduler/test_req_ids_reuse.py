@@ -1,6 +1,6 @@
 """``SchedulerOutput.req_ids`` is handed out again while a step's batch is unchanged (so a
 steady decode step touches no string object) and rebuilt as soon as it changes: every step's
-list holds exactly that step's batch, whoever else holds an earlier output."""
+tuple holds exactly that step's batch, whoever else holds an earlier output."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_req_ids_are_shared_while_the_batch_is_unchanged_and_rebuilt_when_it_cha
     a = _step(sched)
     b = _step(sched)
     assert list(a.req_ids) == ["r0", "r1", "r2"]
-    assert b.req_ids is a.req_ids, "an unchanged batch reuses the list"
+    assert b.req_ids is a.req_ids, "an unchanged batch reuses the tuple"
     assert first.req_ids == a.req_ids
 
     _step(sched, finish="r1")  # r1 samples EOS and leaves

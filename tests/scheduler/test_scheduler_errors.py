@@ -719,7 +719,7 @@ def test_outputs_must_be_applied_in_order() -> None:
     out0 = sched.schedule()
     sched.add_request(Request("b", [4, 5], 4))
     out1 = sched.schedule()  # "a" is still in flight; "b" is admitted
-    assert out1.req_ids == ["b"]
+    assert list(out1.req_ids) == ["b"]
     before = snapshot(sched)
     with pytest.raises(SchedulerStateError, match="outputs must be applied in order"):
         sched.update_from_output(out1, ModelRunnerOutput(out1.req_ids, [[7]]))
@@ -1101,7 +1101,7 @@ def test_prompt_larger_than_the_pool_changes_nothing() -> None:
         sched.add_request(Request("big", list(range(21)), 4))
     assert snapshot(sched) == before
     sched.check_invariants()
-    assert sched.schedule().req_ids == ["small"]
+    assert list(sched.schedule().req_ids) == ["small"]
 
 
 def test_sampled_tokens_for_a_request_finished_meanwhile_are_dropped() -> None:

@@ -81,7 +81,7 @@ def test_finish_request() -> None:
     sched.check_invariants()
     out = schedule(sched)
     assert out.finished_req_ids == {r.request_id for r in requests}
-    assert out.req_ids == []
+    assert list(out.req_ids) == []
 
 
 def test_get_num_unfinished_requests() -> None:
@@ -110,7 +110,7 @@ def test_schedule(enable_prefix_caching: bool) -> None:
     assert not any(r.resumed for r in out.scheduled_new_reqs)
     assert out.scheduled_cached_reqs.req_ids == []
     assert out.finished_req_ids == set()
-    assert out.req_ids == [r.request_id for r in requests]
+    assert list(out.req_ids) == [r.request_id for r in requests]
     for req in requests:
         assert out.num_scheduled_tokens[req.request_id] == len(req.prompt_token_ids)
     assert sched.running_request_ids() == [r.request_id for r in requests]
@@ -142,7 +142,7 @@ def test_schedule_concurrent_partial_requests(enable_prefix_caching: bool) -> No
     assert apply(sched, out, [[], [], []]) == []
 
     out = schedule(sched)
-    assert out.scheduled_new_reqs == []
+    assert list(out.scheduled_new_reqs) == []
     assert out.scheduled_cached_reqs.req_ids == ids
     assert [out.num_scheduled_tokens[i] for i in ids] == [400, 400, 224]
     assert out.num_computed_tokens.tolist() == [400, 400, 224]
@@ -152,7 +152,7 @@ def test_schedule_concurrent_partial_requests(enable_prefix_caching: bool) -> No
     assert [(r.request_id, r.new_token_ids) for r in results] == [("0", [0]), ("1", [0])]
 
     out = schedule(sched)
-    assert out.scheduled_new_reqs == []
+    assert list(out.scheduled_new_reqs) == []
     assert [out.num_scheduled_tokens[i] for i in ids] == [1, 1, 352]
     assert out.total_num_scheduled_tokens == 354
 
@@ -204,7 +204,7 @@ def test_preempt_during_execution() -> None:
     out2 = schedule(sched)
     assert out2.preempted_req_ids == {"1"}
     assert out2.num_scheduled_tokens == {"0": 1}
-    assert out2.scheduled_new_reqs == []  # no admission in a step that preempted
+    assert list(out2.scheduled_new_reqs) == []  # no admission in a step that preempted
     assert sched.running_request_ids() == ["0"]
     assert sched.request_status("1") == "preempted"
     assert sched.waiting_request_ids() == ["1", "short"]
@@ -551,7 +551,7 @@ def test_schedule_spec_decoding_stats(
     assert stats["spec_num_drafts"] == stats["spec_num_draft_tokens"] == 0
 
     out = schedule(sched)
-    assert out.scheduled_new_reqs == []
+    assert list(out.scheduled_new_reqs) == []
     assert out.total_num_scheduled_tokens == len(ids) + sum(len(t) for t in spec_tokens)
     for rid, drafts in zip(ids, spec_tokens):
         assert out.num_scheduled_tokens[rid] == 1 + len(drafts)
@@ -768,7 +768,7 @@ def test_block_table_rows_follow_the_batch() -> None:
     sched.finish_requests(["a1"])
     tracker.on_finish_requests(["a1"], "abort")
     step = run_step(sched, rng, tracker, k=2, drafts="random")
-    assert step.out.req_ids == ["a0", "a2"]
+    assert list(step.out.req_ids) == ["a0", "a2"]
     sched.add_request(Request("b", [7] * 21, 30))
     for _ in range(6):
         step = run_step(sched, rng, tracker, k=2, drafts="random")
@@ -790,7 +790,7 @@ def test_finished_ids_reported_exactly_once() -> None:
     sched.add_request(Request("live", [1, 2], 10))
     sched.add_request(Request("waiting-abort", [1, 2], 10))
     out = schedule(sched)
-    assert out.req_ids == ["eos", "abort", "len", "live"]
+    assert list(out.req_ids) == ["eos", "abort", "len", "live"]
     assert sched.finish_requests(["waiting-abort"]) == ["waiting-abort"]
     results = apply(sched, out, [[3], [0], [0], [0]])
     finished = {r.request_id: r.finish_reason for r in results if r.finished}
@@ -798,7 +798,7 @@ def test_finished_ids_reported_exactly_once() -> None:
     assert sched.finish_requests(["abort", "eos", "unknown"]) == ["abort"]
     out = schedule(sched)
     assert out.finished_req_ids == {"eos", "len", "abort", "waiting-abort"}
-    assert out.req_ids == ["live"]
+    assert list(out.req_ids) == ["live"]
     apply(sched, out, one_token_each(out))
     for _ in range(3):
         out = schedule(sched)
@@ -841,7 +841,7 @@ def test_priority_scheduling_ordering(
     assert sched.waiting_request_ids() == expected
     out = schedule(sched)
     assert [r.req_id for r in out.scheduled_new_reqs] == expected
-    assert out.req_ids == expected
+    assert list(out.req_ids) == expected
 
 
 def test_priority_scheduling_with_limited_slots() -> None:
@@ -922,7 +922,7 @@ def test_preemption_victim(policy: str, keys: Dict[str, tuple], victim: str) -> 
     sched.add_request(req("y"))
     sched.add_request(req("z"))
     out = schedule(sched)
-    assert out.req_ids == ["x", "y", "z"] and sched.num_free_blocks == 0
+    assert list(out.req_ids) == ["x", "y", "z"] and sched.num_free_blocks == 0
     apply(sched, out, [[1], [1], [1]])
 
     out = schedule(sched)
@@ -948,7 +948,7 @@ def test_priority_preempts_a_skipped_request_and_keeps_the_cursor() -> None:
     sched.add_request(Request("b", [2] * 32, 16, priority=0, arrival_time=1.0))
     sched.add_request(Request("c", [3] * 8, 16, priority=1, arrival_time=2.0))
     out = schedule(sched)
-    assert out.req_ids == ["a", "b", "c"] and sched.num_free_blocks == 0
+    assert list(out.req_ids) == ["a", "b", "c"] and sched.num_free_blocks == 0
     apply(sched, out, [[], [5], [5]])  # "a" got no token: nothing to compute next step
 
     out = schedule(sched)
@@ -983,7 +983,7 @@ def test_priority_scheduling_preemption_and_resumption_when_out_of_kv(
     apply(sched, out, [[100], [100]])
 
     out = schedule(sched)
-    assert out.scheduled_new_reqs == []
+    assert list(out.scheduled_new_reqs) == []
     assert out.scheduled_cached_reqs.req_ids == ["high"]
     assert out.preempted_req_ids == {"low"}
     assert out.num_scheduled_tokens == {"high": 1}
@@ -995,7 +995,7 @@ def test_priority_scheduling_preemption_and_resumption_when_out_of_kv(
     out = schedule(sched)
     assert sched.get_request_counts() == (1, 0)
     cached = out.scheduled_cached_reqs
-    assert cached.req_ids == ["low"] and cached.resumed_req_ids == {"low"}
+    assert list(cached.req_ids) == ["low"] and cached.resumed_req_ids == {"low"}
     (new,) = out.scheduled_new_reqs
     assert new.req_id == "low" and new.resumed
     assert new.all_token_ids == [*range(30), 100, 100]
@@ -1018,12 +1018,12 @@ def test_max_num_seqs_limits_admission() -> None:
     for req in make_requests(5):
         sched.add_request(req)
     out = schedule(sched)
-    assert out.req_ids == ["0", "1", "2"]
+    assert list(out.req_ids) == ["0", "1", "2"]
     assert sched.waiting_request_ids() == ["3", "4"]
     apply(sched, out, [[1]] * 3)
     sched.finish_requests(["1"])
     out = schedule(sched)
-    assert out.req_ids == ["0", "2", "3"]
+    assert list(out.req_ids) == ["0", "2", "3"]
 
 
 @pytest.mark.parametrize("method", SPEC_METHODS)

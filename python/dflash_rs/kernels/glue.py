@@ -1,7 +1,7 @@
 """Glue from a ``SchedulerOutput`` to the DFlash expansion kernel's inputs.
 
-The scheduler hands out flat numpy arrays: a zero-copy, read-only int32 view of its persistent
-block table (row ``i`` is ``req_ids[i]``; valid until the next ``schedule()``), the block count
+The scheduler hands out flat numpy arrays: a read-only int32 view of the step's block-table
+snapshot (row ``i`` is ``req_ids[i]``; unchanged for as long as it is held), the block count
 of each row, the computed tokens before the step and the tokens scheduled per request. The
 kernel wants torch tensors on one device:
 
@@ -89,8 +89,8 @@ def context_positions(
 class KernelInputs:
     """Tensors ``expand_dflash_inputs`` takes for one step, all on one device.
 
-    On CPU ``block_table`` and ``num_blocks_per_row`` share memory with the scheduler's read-only
-    views (valid until the next ``schedule()``): never write to them.
+    On CPU ``block_table`` and ``num_blocks_per_row`` share memory with the step's read-only
+    block-table snapshot: never write to them.
     """
 
     next_token_ids: torch.Tensor  # int32 [num_reqs]
@@ -160,7 +160,7 @@ def kernel_inputs_from_output(
     ends before them). Both may be tensors, numpy arrays or sequences, in batch order.
 
     ``device`` defaults to ``block_table``'s device, else ``next_token_ids``' device, else CPU.
-    On CPU the block table and row counts are zero-copy views of the scheduler's buffers. On
+    On CPU the block table and row counts share memory with the step's snapshot. On
     another device pass a :class:`DeviceBlockTable` (``block_table=``) to copy only the rows
     that changed since the previous step; without one the table is copied whole.
     """

@@ -2,10 +2,67 @@
 //! `width = cdiv(max_model_len, block_size)` columns, plus a block count per row.
 //!
 //! Rows are updated incrementally (appends, row moves when a request leaves) and entries past a
-//! row's count always hold 0 (the null block), never a stale id of an earlier occupant. The
-//! buffers never move, so they can be exposed to Python without copying.
+//! row's count always hold 0 (the null block), never a stale id of an earlier occupant. Every
+//! change is journaled (which row, which columns), so a [`crate::table_snapshot`] copy can be
+//! brought up to date by copying only what changed since it was last synced.
 
 use crate::error::{try_filled_vec, CoreError, CoreResult};
+
+/// Columns `[lo, hi)` of `row` (and its count) changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowChange {
+    /// The row.
+    pub row: u32,
+    /// First changed column.
+    pub lo: u32,
+    /// One past the last changed column.
+    pub hi: u32,
+}
+
+/// The recent changes of a table, numbered: `changes[i]` is change number `start + i`, and the
+/// table's version is `start + changes.len()`. Bounded: the older half is dropped when full.
+#[derive(Debug, Clone)]
+struct Journal {
+    start: u64,
+    changes: Vec<RowChange>,
+    capacity: usize,
+}
+
+impl Journal {
+    fn new(capacity: usize) -> Self {
+        Self {
+            start: 0,
+            changes: Vec::new(),
+            capacity,
+        }
+    }
+
+    fn version(&self) -> u64 {
+        self.start + self.changes.len() as u64
+    }
+
+    #[inline]
+    fn record(&mut self, row: usize, lo: usize, hi: usize) {
+        if lo >= hi {
+            return;
+        }
+        if self.changes.len() == self.capacity {
+            let dropped = self.capacity / 2;
+            self.changes.drain(..dropped);
+            self.start += dropped as u64;
+        }
+        self.changes.push(RowChange {
+            row: row as u32,
+            lo: lo as u32,
+            hi: hi as u32,
+        });
+    }
+
+    fn since(&self, version: u64) -> Option<&[RowChange]> {
+        let offset = version.checked_sub(self.start)?;
+        self.changes.get(offset as usize..)
+    }
+}
 
 /// Row-major `[num_rows, width]` int32 table with per-row counts.
 #[derive(Debug, Clone)]
@@ -13,6 +70,7 @@ pub struct BlockTable {
     table: Box<[i32]>,
     counts: Box<[i32]>,
     width: usize,
+    journal: Journal,
 }
 
 impl BlockTable {
@@ -28,7 +86,20 @@ impl BlockTable {
             counts: try_filled_vec(num_rows, 0, "block table row counts")
                 .map(Vec::into_boxed_slice)?,
             width,
+            // A few steps of appends to every row, and a floor for small tables.
+            journal: Journal::new(num_rows.saturating_mul(8).clamp(1024, 1 << 20)),
         })
+    }
+
+    /// Number of changes made so far: equal versions mean equal contents.
+    pub fn version(&self) -> u64 {
+        self.journal.version()
+    }
+
+    /// The changes made since `version`, oldest first, or `None` when some of them are no longer
+    /// journaled (copy the whole table then).
+    pub fn changes_since(&self, version: u64) -> Option<&[RowChange]> {
+        self.journal.since(version)
     }
 
     /// Columns per row.
@@ -87,6 +158,7 @@ impl BlockTable {
             *dst = b as i32;
         }
         self.counts[row] = (count + blocks.len()) as i32;
+        self.journal.record(row, count, count + blocks.len());
     }
 
     /// Zeroes the used entries of `row` and sets its count to 0.
@@ -95,6 +167,7 @@ impl BlockTable {
         let count = self.counts[row] as usize;
         self.table[start..start + count].fill(0);
         self.counts[row] = 0;
+        self.journal.record(row, 0, count);
     }
 
     /// Moves `src` into the (cleared) row `dst` and clears `src`.
@@ -107,6 +180,7 @@ impl BlockTable {
         let (s, d) = (src * self.width, dst * self.width);
         self.table.copy_within(s..s + count, d);
         self.counts[dst] = count as i32;
+        self.journal.record(dst, 0, count);
         self.clear(src);
     }
 
@@ -119,6 +193,9 @@ impl BlockTable {
         let (left, right) = self.table.split_at_mut(hi * self.width);
         left[lo * self.width..(lo + 1) * self.width].swap_with_slice(&mut right[..self.width]);
         self.counts.swap(a, b);
+        let used = self.counts[a].max(self.counts[b]) as usize;
+        self.journal.record(a, 0, used);
+        self.journal.record(b, 0, used);
     }
 }
 

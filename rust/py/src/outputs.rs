@@ -3,11 +3,23 @@
 
 use numpy::{PyArray1, PyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PySet, PyString};
+use pyo3::types::{PyDict, PyFrozenSet, PyList, PySet, PyString, PyTuple};
+
+/// `array`, made read-only as `setflags(write=False)` makes it, without a Python call.
+pub fn read_only<'py, A>(array: Bound<'py, A>) -> Bound<'py, A>
+where
+    Bound<'py, A>: PyUntypedArrayMethods<'py>,
+{
+    // SAFETY: `array` is a live numpy array; clearing WRITEABLE (numpy's PyArray_CLEARFLAGS)
+    // only restricts what Python may do with it.
+    unsafe {
+        (*array.as_array_ptr()).fields.flags &= !numpy::npyffi::flags::NPY_ARRAY_WRITEABLE;
+    }
+    array
+}
 
 /// A request scheduled for the first time (or resumed), with everything the runner needs.
-/// Token and block lists are built from Rust buffers on first access.
+/// Token and block lists are built from Rust buffers, a new list at every access.
 #[pyclass(module = "dflash_rs._core", name = "NewRequestData", frozen)]
 pub struct PyNewRequestData {
     /// Request id.
@@ -25,7 +37,6 @@ pub struct PyNewRequestData {
     pub num_prompt_tokens: usize,
     /// Every block the request holds (prefix hits first).
     pub blocks: Vec<u32>,
-    lists: [PyOnceLock<Py<PyList>>; 3],
 }
 
 impl PyNewRequestData {
@@ -45,14 +56,7 @@ impl PyNewRequestData {
             all_tokens,
             num_prompt_tokens,
             blocks,
-            lists: [PyOnceLock::new(), PyOnceLock::new(), PyOnceLock::new()],
         }
-    }
-
-    fn list(&self, py: Python<'_>, which: usize, values: &[u32]) -> PyResult<Py<PyList>> {
-        let list =
-            self.lists[which].get_or_try_init(py, || PyList::new(py, values).map(Bound::unbind))?;
-        Ok(list.clone_ref(py))
     }
 }
 
@@ -61,19 +65,19 @@ impl PyNewRequestData {
     /// Prompt token ids.
     #[getter]
     fn prompt_token_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        self.list(py, 0, &self.all_tokens[..self.num_prompt_tokens])
+        Ok(PyList::new(py, &self.all_tokens[..self.num_prompt_tokens])?.unbind())
     }
 
     /// Every block the request holds (prefix hits first).
     #[getter]
     fn block_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        self.list(py, 1, &self.blocks)
+        Ok(PyList::new(py, &self.blocks)?.unbind())
     }
 
     /// Prompt + output tokens (what a resumed request recomputes).
     #[getter]
     fn all_token_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        self.list(py, 2, &self.all_tokens)
+        Ok(PyList::new(py, &self.all_tokens)?.unbind())
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
@@ -130,15 +134,19 @@ pub struct LazyParts {
 }
 
 /// One step's schedule. Arrays are in batch order: entry `i` is `req_ids[i]` and row `i` of
-/// `block_table`. `block_table` and `num_blocks_per_row` are read-only zero-copy views of the
-/// scheduler's persistent buffers: valid until the next `schedule()` (copy them to keep them).
-/// `req_ids` is read-only too: consecutive steps with the same batch share one list object.
+/// `block_table`.
+///
+/// An output reads the same for as long as anyone holds it, whatever the scheduler does
+/// meanwhile: arrays are read-only (`block_table` and `num_blocks_per_row` are views of a
+/// snapshot of the table that nothing writes to while it is held), `req_ids` is a tuple (shared
+/// by consecutive steps with the same batch), id sets are frozensets, `scheduled_new_reqs` is a
+/// tuple, and the dict- and list-valued properties build a new object at every access.
 #[pyclass(module = "dflash_rs._core", name = "SchedulerOutput", frozen)]
 pub struct PySchedulerOutput {
     #[pyo3(get)]
     pub step_id: u64,
     #[pyo3(get)]
-    pub req_ids: Py<PyList>,
+    pub req_ids: Py<PyTuple>,
     #[pyo3(get)]
     pub total_num_scheduled_tokens: usize,
     #[pyo3(get)]
@@ -154,17 +162,14 @@ pub struct PySchedulerOutput {
     #[pyo3(get)]
     pub is_prefill_chunk: Py<PyArray1<bool>>,
     #[pyo3(get)]
-    pub finished_req_ids: Py<PySet>,
+    pub finished_req_ids: Py<PyFrozenSet>,
     #[pyo3(get)]
-    pub preempted_req_ids: Py<PySet>,
+    pub preempted_req_ids: Py<PyFrozenSet>,
     #[pyo3(get)]
-    pub scheduled_new_reqs: Py<PyList>,
+    pub scheduled_new_reqs: Py<PyTuple>,
     #[pyo3(get)]
     pub num_lookahead_tokens: usize,
     pub parts: LazyParts,
-    num_scheduled_dict: PyOnceLock<Py<PyDict>>,
-    spec_dict: PyOnceLock<Py<PyDict>>,
-    cached_reqs: PyOnceLock<Py<PyCachedRequestData>>,
 }
 
 impl PySchedulerOutput {
@@ -172,7 +177,7 @@ impl PySchedulerOutput {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         step_id: u64,
-        req_ids: Py<PyList>,
+        req_ids: Py<PyTuple>,
         total_num_scheduled_tokens: usize,
         block_table: Py<PyArray2<i32>>,
         num_blocks_per_row: Py<PyArray1<i32>>,
@@ -180,9 +185,9 @@ impl PySchedulerOutput {
         num_computed_tokens: Py<PyArray1<i32>>,
         query_start_loc: Py<PyArray1<i32>>,
         is_prefill_chunk: Py<PyArray1<bool>>,
-        finished_req_ids: Py<PySet>,
-        preempted_req_ids: Py<PySet>,
-        scheduled_new_reqs: Py<PyList>,
+        finished_req_ids: Py<PyFrozenSet>,
+        preempted_req_ids: Py<PyFrozenSet>,
+        scheduled_new_reqs: Py<PyTuple>,
         num_lookahead_tokens: usize,
         parts: LazyParts,
     ) -> Self {
@@ -201,9 +206,6 @@ impl PySchedulerOutput {
             scheduled_new_reqs,
             num_lookahead_tokens,
             parts,
-            num_scheduled_dict: PyOnceLock::new(),
-            spec_dict: PyOnceLock::new(),
-            cached_reqs: PyOnceLock::new(),
         }
     }
 }
@@ -219,105 +221,92 @@ impl PySchedulerOutput {
     /// Draft tokens scheduled for verification per request, in batch order.
     #[getter]
     fn num_spec_tokens_array<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
-        PyArray1::from_slice(py, &self.parts.spec_counts)
+        read_only(PyArray1::from_slice(py, &self.parts.spec_counts))
     }
 
     /// Async scheduling: output tokens still to come from earlier steps in flight, per
     /// request, before this step (vLLM's `num_output_placeholders`); zeros otherwise.
     #[getter]
     fn num_output_placeholders<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
-        PyArray1::from_slice(py, &self.parts.num_output_placeholders)
+        read_only(PyArray1::from_slice(
+            py,
+            &self.parts.num_output_placeholders,
+        ))
     }
 
-    /// `{req_id: tokens scheduled}` (built on first access).
+    /// `{req_id: tokens scheduled}` (a new dict at every access).
     #[getter]
     fn num_scheduled_tokens(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
-        let d = self
-            .num_scheduled_dict
-            .get_or_try_init(py, || -> PyResult<Py<PyDict>> {
-                let d = PyDict::new(py);
-                for (id, n) in self.req_ids.bind(py).iter().zip(&self.parts.num_scheduled) {
-                    d.set_item(id, *n)?;
-                }
-                Ok(d.unbind())
-            })?;
-        Ok(d.clone_ref(py))
+        let d = PyDict::new(py);
+        for (id, n) in self.req_ids.bind(py).iter().zip(&self.parts.num_scheduled) {
+            d.set_item(id, *n)?;
+        }
+        Ok(d.unbind())
     }
 
-    /// `{req_id: draft tokens to verify}` for requests with drafts (built on first access);
-    /// a placeholder draft of a padded admission is `-1`, as in vLLM.
+    /// `{req_id: draft tokens to verify}` for requests with drafts (a new dict at every
+    /// access); a placeholder draft of a padded admission is `-1`, as in vLLM.
     #[getter]
     fn scheduled_spec_decode_tokens(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
-        let d = self
-            .spec_dict
-            .get_or_try_init(py, || -> PyResult<Py<PyDict>> {
-                let d = PyDict::new(py);
-                let mut start = 0usize;
-                for (id, &n) in self.req_ids.bind(py).iter().zip(&self.parts.spec_counts) {
-                    let end = start + n as usize;
-                    if n > 0 {
-                        let tokens = self.parts.spec_tokens[start..end].iter().map(|&t| {
-                            if t == dflash_core::scheduler::PLACEHOLDER_TOKEN {
-                                -1
-                            } else {
-                                i64::from(t)
-                            }
-                        });
-                        d.set_item(id, PyList::new(py, tokens)?)?;
+        let d = PyDict::new(py);
+        let mut start = 0usize;
+        for (id, &n) in self.req_ids.bind(py).iter().zip(&self.parts.spec_counts) {
+            let end = start + n as usize;
+            if n > 0 {
+                let tokens = self.parts.spec_tokens[start..end].iter().map(|&t| {
+                    if t == dflash_core::scheduler::PLACEHOLDER_TOKEN {
+                        -1
+                    } else {
+                        i64::from(t)
                     }
-                    start = end;
-                }
-                Ok(d.unbind())
-            })?;
-        Ok(d.clone_ref(py))
+                });
+                d.set_item(id, PyList::new(py, tokens)?)?;
+            }
+            start = end;
+        }
+        Ok(d.unbind())
     }
 
-    /// Running and resumed requests with their new blocks (built on first access).
+    /// Running and resumed requests with their new blocks (a new object at every access).
     #[getter]
     fn scheduled_cached_reqs(&self, py: Python<'_>) -> PyResult<Py<PyCachedRequestData>> {
-        let c = self
-            .cached_reqs
-            .get_or_try_init(py, || -> PyResult<Py<PyCachedRequestData>> {
-                let req_ids = PyList::empty(py);
-                let resumed = PySet::empty(py)?;
-                let new_block_ids = PyList::empty(py);
-                let num_computed = PyList::empty(py);
-                let mut start = 0usize;
-                let ids = self.req_ids.bind(py);
-                for (i, id) in ids.iter().enumerate() {
-                    let count = self.parts.new_block_counts[i] as usize;
-                    let blocks = &self.parts.new_blocks[start..start + count];
-                    start += count;
-                    match self.parts.kinds[i] {
-                        0 => {
-                            req_ids.append(&id)?;
-                            if count == 0 {
-                                new_block_ids.append(py.None())?;
-                            } else {
-                                new_block_ids.append(PyList::new(py, blocks)?)?;
-                            }
-                            num_computed.append(self.parts.num_computed[i])?;
-                        }
-                        2 => {
-                            req_ids.append(&id)?;
-                            resumed.add(&id)?;
-                            new_block_ids.append(PyList::new(py, blocks)?)?;
-                            num_computed.append(self.parts.num_computed[i])?;
-                        }
-                        _ => {}
+        let req_ids = PyList::empty(py);
+        let resumed = PySet::empty(py)?;
+        let new_block_ids = PyList::empty(py);
+        let num_computed = PyList::empty(py);
+        let mut start = 0usize;
+        for (i, id) in self.req_ids.bind(py).iter().enumerate() {
+            let count = self.parts.new_block_counts[i] as usize;
+            let blocks = &self.parts.new_blocks[start..start + count];
+            start += count;
+            match self.parts.kinds[i] {
+                0 => {
+                    req_ids.append(&id)?;
+                    if count == 0 {
+                        new_block_ids.append(py.None())?;
+                    } else {
+                        new_block_ids.append(PyList::new(py, blocks)?)?;
                     }
+                    num_computed.append(self.parts.num_computed[i])?;
                 }
-                Py::new(
-                    py,
-                    PyCachedRequestData {
-                        req_ids: req_ids.unbind(),
-                        resumed_req_ids: resumed.unbind(),
-                        new_block_ids: new_block_ids.unbind(),
-                        num_computed_tokens: num_computed.unbind(),
-                    },
-                )
-            })?;
-        Ok(c.clone_ref(py))
+                2 => {
+                    req_ids.append(&id)?;
+                    resumed.add(&id)?;
+                    new_block_ids.append(PyList::new(py, blocks)?)?;
+                    num_computed.append(self.parts.num_computed[i])?;
+                }
+                _ => {}
+            }
+        }
+        Py::new(
+            py,
+            PyCachedRequestData {
+                req_ids: req_ids.unbind(),
+                resumed_req_ids: resumed.unbind(),
+                new_block_ids: new_block_ids.unbind(),
+                num_computed_tokens: num_computed.unbind(),
+            },
+        )
     }
 
     fn __len__(&self, py: Python<'_>) -> usize {

@@ -2,20 +2,23 @@
 //! flat arrays. Request ids are interned once per request, so a step creates no Python string
 //! and no Python object per block.
 
+use std::sync::Arc;
+
+use dflash_core::table_snapshot::{SnapshotPool, TableSnapshot};
 use dflash_core::{
     CoreError, EntryKind, FinishReason, PauseState, Scheduler, StepOutput, UpdateOutput,
 };
 use numpy::ndarray::{ArrayView1, ArrayView2};
-use numpy::{PyArray1, PyArray2, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArray2};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySet, PyString};
+use pyo3::types::{PyDict, PyFrozenSet, PyList, PyString, PyTuple};
 
 use crate::convert::{strict_bool, token_ids};
 use crate::errors::{invalid, to_py, unless_fatal, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::outputs::{
-    LazyParts, PyNewRequestData, PyRequestOutput, PySchedulerOutput, PyUpdateResult,
+    read_only, LazyParts, PyNewRequestData, PyRequestOutput, PySchedulerOutput, PyUpdateResult,
 };
 use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec};
 
@@ -40,9 +43,15 @@ struct State {
     num_interned: usize,
     step: StepOutput,
     update: UpdateOutput,
-    /// The last step's `req_ids` list, handed out again while the batch is unchanged.
-    last_req_ids: Option<Py<PyList>>,
+    /// The last step's `req_ids` tuple, handed out again while the batch is unchanged.
+    last_req_ids: Option<Py<PyTuple>>,
+    /// Frozen block tables of the steps handed out.
+    snapshots: SnapshotPool,
 }
+
+/// Keeps a step's block-table snapshot alive: the base object of its numpy arrays.
+#[pyclass(module = "dflash_rs._core", name = "_BlockTableSnapshot", frozen)]
+struct TableLease(#[allow(dead_code)] Arc<TableSnapshot>);
 
 impl State {
     fn intern_id(&mut self, py: Python<'_>, slot: u32, id: &str) {
@@ -84,66 +93,55 @@ impl State {
         }
     }
 
-    /// The batch's request ids as a list: the previous step's list object when it still holds
-    /// exactly these ids (a steady decode batch), so a step touches no string object; a new
-    /// list otherwise.
-    fn req_ids_list<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    /// The batch's request ids as a tuple: the previous step's tuple when it holds exactly
+    /// these ids (a steady decode batch), so a step touches no string object; a new one
+    /// otherwise. Sharing is safe because a tuple of str cannot change.
+    fn req_ids_tuple<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let slots = &self.step.slots;
         if let Some(prev) = &self.last_req_ids {
-            let list = prev.bind(py);
-            let unchanged = list.len() == slots.len()
-                && slots.iter().enumerate().all(|(i, &slot)| {
-                    let Some(Some(id)) = self.ids.get(slot as usize) else {
-                        return false;
-                    };
-                    // SAFETY: `list` is a live list and `i < len`; PyList_GetItem returns a
-                    // borrowed reference, compared by address only.
-                    let item = unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i as _) };
-                    std::ptr::eq(item, id.as_ptr())
+            let tuple = prev.bind(py);
+            let unchanged = tuple.len() == slots.len()
+                && slots.iter().zip(tuple.iter_borrowed()).all(|(&slot, item)| {
+                    matches!(self.ids.get(slot as usize), Some(Some(id)) if item.is(id))
                 });
             if unchanged {
-                return Ok(list.clone());
+                return Ok(tuple.clone());
             }
         }
         let ids = slots
             .iter()
             .map(|&slot| self.id_of(py, slot))
             .collect::<PyResult<Vec<_>>>()?;
-        let list = PyList::new(py, ids)?;
-        self.last_req_ids = Some(list.clone().unbind());
-        Ok(list)
+        let tuple = PyTuple::new(py, ids)?;
+        self.last_req_ids = Some(tuple.clone().unbind());
+        Ok(tuple)
     }
 
-    fn build_output(&mut self, slf: &Bound<'_, PyScheduler>) -> PyResult<PySchedulerOutput> {
-        let py = slf.py();
-        let req_ids = self.req_ids_list(py)?;
+    fn build_output(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
+        let req_ids = self.req_ids_tuple(py)?;
+        let snapshot = self.snapshots.take(self.inner.block_table()).py(py)?;
         let this = &*self;
         let step = &this.step;
         let n = step.num_reqs();
-        let table = this.inner.block_table();
-        let width = table.width();
-        let container = slf.clone().into_any();
-        // SAFETY: the table buffers are boxed slices allocated once in `Scheduler::new` and never
-        // reallocated; `container` (this scheduler) is kept alive by the arrays as their base.
+        let width = snapshot.width();
+        let (table, counts) = (snapshot.as_slice(), snapshot.counts());
+        let (table, counts) = (table.as_ptr(), counts.as_ptr());
+        let lease = Bound::new(py, TableLease(snapshot))?.into_any();
+        // SAFETY: the buffers belong to the snapshot that `lease` (the arrays' base object)
+        // keeps alive, and nothing writes to a snapshot while it is shared (`SnapshotPool`
+        // only syncs snapshots it owns alone), so the arrays read the step's table for as
+        // long as anyone holds them.
         let block_table = unsafe {
-            let view = ArrayView2::from_shape((n, width), &table.as_slice()[..n * width])
-                .map_err(|e| to_py(py, CoreError::Invariant(e.to_string())))?;
-            PyArray2::borrow_from_array(&view, container.clone())
+            let view = ArrayView2::from_shape_ptr((n, width), table);
+            PyArray2::borrow_from_array(&view, lease.clone())
         };
         let counts = unsafe {
-            let view = ArrayView1::from(&table.counts()[..n]);
-            PyArray1::borrow_from_array(&view, container)
+            let view = ArrayView1::from_shape_ptr(n, counts);
+            PyArray1::borrow_from_array(&view, lease)
         };
-        // Read-only views, as `setflags(write=False)` makes them (numpy's PyArray_CLEARFLAGS),
-        // without a Python method call per array per step.
-        // SAFETY: both are live arrays this function just created and nothing else has seen;
-        // clearing WRITEABLE only restricts what Python may do with them.
-        unsafe {
-            (*block_table.as_array_ptr()).fields.flags &=
-                !numpy::npyffi::flags::NPY_ARRAY_WRITEABLE;
-            (*counts.as_array_ptr()).fields.flags &= !numpy::npyffi::flags::NPY_ARRAY_WRITEABLE;
-        }
-        let new_reqs = PyList::empty(py);
+        // Read-only; the base is no writable buffer, so they cannot be made writable again.
+        let (block_table, counts) = (read_only(block_table), read_only(counts));
+        let mut new_reqs = Vec::new();
         let mut kinds = Vec::with_capacity(n);
         for (i, kind) in step.kinds.iter().enumerate() {
             kinds.push(match kind {
@@ -161,11 +159,11 @@ impl State {
                     r.num_prompt_tokens(),
                     r.blocks.block_ids.clone(),
                 );
-                new_reqs.append(Py::new(py, data)?)?;
+                new_reqs.push(Py::new(py, data)?);
             }
         }
-        let finished = PySet::new(py, &step.finished_req_ids)?;
-        let preempted = PySet::new(py, &step.preempted_req_ids)?;
+        let finished = PyFrozenSet::new(py, &step.finished_req_ids)?;
+        let preempted = PyFrozenSet::new(py, &step.preempted_req_ids)?;
         let parts = LazyParts {
             num_scheduled: step.num_scheduled_tokens.clone(),
             kinds,
@@ -189,13 +187,13 @@ impl State {
             step.total_num_scheduled_tokens,
             block_table.unbind(),
             counts.unbind(),
-            PyArray1::from_slice(py, &step.num_scheduled_tokens).unbind(),
-            PyArray1::from_slice(py, &step.num_computed_tokens).unbind(),
-            PyArray1::from_slice(py, &step.query_start_loc).unbind(),
-            PyArray1::from_slice(py, &step.is_prefill_chunk).unbind(),
+            read_only(PyArray1::from_slice(py, &step.num_scheduled_tokens)).unbind(),
+            read_only(PyArray1::from_slice(py, &step.num_computed_tokens)).unbind(),
+            read_only(PyArray1::from_slice(py, &step.query_start_loc)).unbind(),
+            read_only(PyArray1::from_slice(py, &step.is_prefill_chunk)).unbind(),
             finished.unbind(),
             preempted.unbind(),
-            new_reqs.unbind(),
+            PyTuple::new(py, new_reqs)?.unbind(),
             step.num_lookahead_tokens,
             parts,
         ))
@@ -246,15 +244,14 @@ impl State {
         Ok(())
     }
 
+    /// Checks that `runner_ids` names the step's requests in its order, element by element
+    /// (never trusted by identity: a list handed back may have been changed since).
     fn check_req_ids(
         py: Python<'_>,
         output: &PySchedulerOutput,
         runner_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let expected = output.req_ids.bind(py);
-        if runner_ids.is(expected) {
-            return Ok(());
-        }
         let n = runner_ids.len().map_err(|e| {
             unless_fatal(py, e, || invalid(py, "req_ids must be a sequence of str"))
         })?;
@@ -267,15 +264,39 @@ impl State {
                 ),
             ));
         }
+        let mismatch = |i: usize, a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>| {
+            invalid(
+                py,
+                format!("ModelRunnerOutput.req_ids[{i}] = {a} but the step scheduled {b} there"),
+            )
+        };
+        // Lists and tuples: the ids are the scheduler's own interned strings, so a pointer
+        // compare settles almost every element.
+        if let Ok(list) = runner_ids.cast::<PyList>() {
+            for (i, b) in expected.iter_borrowed().enumerate() {
+                let a = list.get_item(i)?;
+                if !a.is(&*b) && !a.eq(&*b)? {
+                    return Err(mismatch(i, &a, &b));
+                }
+            }
+            return Ok(());
+        }
+        if let Ok(tuple) = runner_ids.cast::<PyTuple>() {
+            for (i, (a, b)) in tuple
+                .iter_borrowed()
+                .zip(expected.iter_borrowed())
+                .enumerate()
+            {
+                if !a.is(&*b) && !a.eq(&*b)? {
+                    return Err(mismatch(i, &a, &b));
+                }
+            }
+            return Ok(());
+        }
         for (i, (a, b)) in runner_ids.try_iter()?.zip(expected.iter()).enumerate() {
             let a = a?;
             if !a.is(&b) && !a.eq(&b)? {
-                return Err(invalid(
-                    py,
-                    format!(
-                        "ModelRunnerOutput.req_ids[{i}] = {a} but the step scheduled {b} there"
-                    ),
-                ));
+                return Err(mismatch(i, &a, &b));
             }
         }
         Ok(())
@@ -332,6 +353,7 @@ impl PyScheduler {
             step: StepOutput::default(),
             update: UpdateOutput::default(),
             last_req_ids: None,
+            snapshots: SnapshotPool::new(),
         };
         Ok(Self {
             state: Guarded::new(state, "Scheduler"),
@@ -359,12 +381,11 @@ impl PyScheduler {
     }
 
     /// Plans one step.
-    fn schedule(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
-        let py = slf.py();
-        slf.get().state.with(py, |st| {
+    fn schedule(&self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
+        self.state.with(py, |st| {
             let (inner, step) = (&mut st.inner, &mut st.step);
             py.detach(|| inner.schedule(step)).py(py)?;
-            st.build_output(slf)
+            st.build_output(py)
         })
     }
 
