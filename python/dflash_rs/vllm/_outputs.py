@@ -90,12 +90,13 @@ class OutputBuilder:
             (resumed_reqs if resumed else new_reqs).append(data)
         new_reqs.extend(resumed_reqs)  # vLLM lists new requests first, then resumed ones
         cached = self._cached(core, out)
+        num_scheduled_tokens = out.num_scheduled_tokens  # a new dict at every access
         if not self.v2:
-            self.prev_scheduled = out.num_scheduled_tokens.keys()
+            self.prev_scheduled = num_scheduled_tokens.keys()
         return self.SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=out.num_scheduled_tokens,
+            num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=out.total_num_scheduled_tokens,
             scheduled_spec_decode_tokens=self._spec_tokens(out),
             scheduled_encoder_inputs={},
