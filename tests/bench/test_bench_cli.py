@@ -69,7 +69,7 @@ def test_subprocess_all_modes_table_and_json(tmp_path: Path) -> None:
 
 def test_in_process_method_k_and_quiet(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     argv = ["bench", *TINY, "--modes", "decode", "--method", "eagle", "-k", "2"]
-    report = tmp_path / "b.json"
+    report = tmp_path / "new" / "b.json"  # its folder is made
     argv += ["--paths", "arrays", "--clock", "cpu", "--quiet", "--json", str(report)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out

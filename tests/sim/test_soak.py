@@ -63,7 +63,7 @@ def test_short_soak_is_under_pressure(short_run: SoakReport) -> None:
 
 
 def test_cli_short_run_writes_json(tmp_path: Path) -> None:
-    path = tmp_path / "soak.json"
+    path = tmp_path / "new" / "soak.json"  # its folder is made
     argv = ["soak", "--num-requests", "3000", "--method", "eagle", "-k", "3"]
     assert cli.main([*argv, "--policy", "priority", "--json", str(path), "--quiet"]) == 0
     report = json.loads(path.read_text())

@@ -207,6 +207,12 @@ def check_args(args: argparse.Namespace) -> None:
         build_scheduler_config(args, spec, num_blocks=64, max_num_seqs=args.max_num_seqs)
 
 
+def _with_parent(path: str) -> str:
+    """``path``, once its folder exists (an output path may name folders not made yet)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
+
+
 def _say(args: Any, msg: str) -> None:
     if not args.quiet:
         print(msg, flush=True)
@@ -240,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     if "preempt" in modes and args.preempt_n > 0:
         configs += [("preempt", s, args.preempt_n) for s in spec_list]
 
-    trace = open(args.trace_out, "w") if args.trace_out else None
+    trace = open(_with_parent(args.trace_out), "w") if args.trace_out else None
     profiler = None
     if args.profile_out:
         import cProfile
@@ -324,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     if profiler is not None:
         import pstats
 
-        profiler.dump_stats(args.profile_out)
+        profiler.dump_stats(_with_parent(args.profile_out))
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
 
     status = 0
@@ -388,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
             "baseline": base_doc,
             "comparison": comparison,
         }
-        with open(args.json_out, "w") as f:
+        with open(_with_parent(args.json_out), "w") as f:
             json.dump(doc, f, indent=1)
         _say(args, f"wrote {args.json_out}")
     return status

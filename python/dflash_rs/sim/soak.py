@@ -713,6 +713,7 @@ def run(args: argparse.Namespace) -> int:
     text = report.summary()
     print(text if not args.quiet else text.splitlines()[-1])
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
         if not args.quiet:
             print(f"wrote {args.json}")
