@@ -7,28 +7,50 @@ import argparse
 import random
 
 from dflash_rs import KVCacheManager
+from dflash_rs._cli_types import int_at_least, positive_int, seed, speculative_tokens
+
+#: Context limit of the demo's pool.
+MAX_MODEL_LEN = 4096
+#: The shared system prompt is this many blocks long.
+SYSTEM_PROMPT_BLOCKS = 3
+#: Each request adds 1 to this many tokens of its own.
+MAX_USER_TOKENS = 39
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-blocks", type=int, default=64)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-requests", type=int, default=4)
-    parser.add_argument("--num-speculative-tokens", "-k", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+    add = parser.add_argument
+    add("--num-blocks", type=int_at_least(2), default=64, help="KV blocks (block 0 is reserved)")
+    add("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    add("--num-requests", type=positive_int, default=4, help="requests to admit")
+    add("--num-speculative-tokens", "-k", type=speculative_tokens, default=8, help="DFlash K")
+    add("--seed", type=seed, default=0, help="prompt and block-hash seed")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The longest prompt must fit the demo's max_model_len."""
+    longest = SYSTEM_PROMPT_BLOCKS * args.block_size + MAX_USER_TOKENS
+    if longest > MAX_MODEL_LEN:
+        raise ValueError(
+            f"--block-size {args.block_size} makes prompts of up to {longest} tokens, more than "
+            f"the demo's max_model_len {MAX_MODEL_LEN}"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     k = args.num_speculative_tokens
     lookahead = k + 1  # DFlash: bonus token + K mask tokens
-    kv = KVCacheManager(args.num_blocks, args.block_size, max_model_len=4096, hash_seed=args.seed)
-    system_prompt = [rng.randrange(3, 32000) for _ in range(3 * args.block_size)]
+    kv = KVCacheManager(
+        args.num_blocks, args.block_size, max_model_len=MAX_MODEL_LEN, hash_seed=args.seed
+    )
+    system_prompt = [rng.randrange(3, 32000) for _ in range(SYSTEM_PROMPT_BLOCKS * args.block_size)]
     print(
         f"pool: {args.num_blocks} blocks of {args.block_size} tokens "
         f"({kv.num_free_blocks} usable); DFlash K={k} -> lookahead {lookahead} slots"
     )
     for i in range(args.num_requests):
-        prompt = system_prompt + [rng.randrange(3, 32000) for _ in range(rng.randrange(1, 40))]
+        user = [rng.randrange(3, 32000) for _ in range(rng.randrange(1, MAX_USER_TOKENS + 1))]
+        prompt = system_prompt + user
         rid = f"req-{i}"
         kv.add_request(rid, prompt)
         hits, num_hit_tokens = kv.get_computed_blocks(rid)

@@ -69,7 +69,8 @@ def test_subprocess_all_modes_table_and_json(tmp_path: Path) -> None:
 
 def test_in_process_method_k_and_quiet(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     argv = ["bench", *TINY, "--modes", "decode", "--method", "eagle", "-k", "2"]
-    argv += ["--paths", "arrays", "--clock", "cpu", "--quiet", "--json", str(tmp_path / "b.json")]
+    report = tmp_path / "new" / "b.json"  # its folder is made
+    argv += ["--paths", "arrays", "--clock", "cpu", "--quiet", "--json", str(report)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "rep 0" not in out and "total wall time" not in out
@@ -78,13 +79,15 @@ def test_in_process_method_k_and_quiet(capsys: pytest.CaptureFixture[str], tmp_p
         ["decode", "eagle", "4", "arrays"],
         ["decode", "eagle", "8", "arrays"],
     ]
-    doc = json.loads((tmp_path / "b.json").read_text())
+    doc = json.loads(report.read_text())
     assert [r["mean_sched_tokens"] for r in doc["aggregate"]] == [4 * 3, 8 * 3]
 
 
 def test_bad_mode_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["bench", *TINY, "--modes", "decode,bogus"]) == 2
-    assert "unknown mode or path: bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *TINY, "--modes", "decode,bogus"])
+    assert exc.value.code == 2
+    assert "argument --modes: unknown 'bogus'" in capsys.readouterr().err
 
 
 def test_missing_baseline_python_exits_1(capsys: pytest.CaptureFixture[str]) -> None:

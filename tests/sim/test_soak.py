@@ -63,7 +63,7 @@ def test_short_soak_is_under_pressure(short_run: SoakReport) -> None:
 
 
 def test_cli_short_run_writes_json(tmp_path: Path) -> None:
-    path = tmp_path / "soak.json"
+    path = tmp_path / "new" / "soak.json"  # its folder is made
     argv = ["soak", "--num-requests", "3000", "--method", "eagle", "-k", "3"]
     assert cli.main([*argv, "--policy", "priority", "--json", str(path), "--quiet"]) == 0
     report = json.loads(path.read_text())
@@ -99,9 +99,14 @@ def test_subprocess_quiet_prints_the_verdict() -> None:
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["soak", "--num-blocks", "4"]) == 2
-    assert "cannot hold one request" in capsys.readouterr().err
-    assert cli.main(["soak", "--abort-rate", "2"]) == 2
+    for argv, message in (
+        (["--num-blocks", "4"], "cannot hold one request"),
+        (["--abort-rate", "2"], "argument --abort-rate"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["soak", *argv])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 def test_lookahead_table_and_rss() -> None:

@@ -17,7 +17,7 @@ vLLM/ours ratios is printed (micro is not replayed there).
 spec, n, path: ``<phase>_p50_us``, ``<phase>_p99_us``, ``<phase>_mean_us``, ``mean_<stat>``,
 measured_steps, reps, ...), micro_aggregate, runs, micro_runs, baseline (null, or versions,
 aggregate, runs, prompts_identical of vLLM) and comparison (rows of both p50s and ratios).
-Exit status: 0, or 1 when the baseline could not run.
+Exit status: 0, 1 when the baseline could not run, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -32,64 +32,101 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from dflash_rs.bench import baseline as bl
-from dflash_rs.bench.loop import micro_admit, run_sim
-from dflash_rs.bench.stats import (
-    aggregate,
-    core_info,
-    fmt_table,
-    machine_info,
-    median,
-    parse_list,
+from dflash_rs._cli_types import (
+    HelpFormatter,
+    check_or_exit,
+    choice_list,
+    float_in,
+    int_at_least,
+    int_list,
+    non_negative_int,
+    output_path,
+    positive_float,
+    positive_int,
+    seed,
+    speculative_tokens,
+    string_pair,
 )
+from dflash_rs.bench import baseline as bl
+from dflash_rs.bench.loop import (
+    MICRO_SHORT_PROMPT_LEN,
+    build_scheduler_config,
+    micro_admit,
+    run_sim,
+)
+from dflash_rs.bench.stats import aggregate, core_info, fmt_table, machine_info, median
 from dflash_rs.bench.workload import prompt_hashes
+from dflash_rs.config import SPECULATIVE_METHODS
 
-__all__ = ["add_arguments", "main", "run"]
+__all__ = ["add_arguments", "check_args", "main", "run"]
 
 MODES = ("decode", "serve", "preempt", "micro")
+PATHS = ("arrays", "lists")
+SPECS = ("none", *SPECULATIVE_METHODS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--n-reqs", default="64,256,1024", help="concurrency levels N (comma list)")
+    add(
+        "--n-reqs",
+        type=int_list(1),
+        default="64,256,1024",
+        help="concurrency levels N (comma list)",
+    )
     add(
         "--spec",
         "--method",
         dest="spec",
+        type=choice_list(SPECS),
         default="dflash",
-        help="speculative methods (comma list): none, dflash, eagle, ngram, ...",
+        help=f"speculative methods (comma list of {', '.join(SPECS)})",
     )
-    add("--modes", default="decode,serve,preempt,micro", help=f"comma list of {', '.join(MODES)}")
-    add("--paths", default="arrays,lists", help="input paths: arrays and/or lists")
+    add(
+        "--modes",
+        type=choice_list(MODES),
+        default=",".join(MODES),
+        help=f"comma list of {', '.join(MODES)}",
+    )
+    add(
+        "--paths",
+        type=choice_list(PATHS),
+        default=",".join(PATHS),
+        help=f"input paths (comma list of {', '.join(PATHS)})",
+    )
     add(
         "-k",
         "--num-speculative-tokens",
         "--num-spec-tokens",
         dest="num_spec_tokens",
-        type=int,
+        type=speculative_tokens,
         default=8,
         help="K, drafts per step",
     )
     add("--accept", default="uniform", choices=["uniform", "all", "none"], help="accepted drafts")
-    add("--seed", type=int, default=0, help="workload seed (config seed = seed + 1000 N)")
-    add("--reps", type=int, default=3, help="repetitions (medians reported)")
-    add("--warmup-steps", type=int, default=20)
-    add("--measure-steps", type=int, default=150)
-    add("--max-sim-steps", type=int, default=5000)
-    add("--block-size", type=int, default=16)
-    add("--max-num-batched-tokens", type=int, default=16384)
-    add("--max-num-seqs", type=int, default=1024, help="raised to N when N is larger")
-    add("--max-model-len", type=int, default=8192)
-    add("--max-tokens", type=int, default=256, help="serve-mode max_tokens")
-    add("--decode-max-tokens", type=int, default=2048)
-    add("--prefix-len", type=int, default=512)
-    add("--min-prompt", type=int, default=128)
-    add("--max-prompt", type=int, default=2048)
-    add("--preempt-n", type=int, default=256)
-    add("--preempt-block-frac", type=float, default=0.25)
-    add("--micro-iters", type=int, default=2000, help="admissions per micro rep")
-    add("--micro-prompt-len", type=int, default=1100)
-    add("--micro-seed", type=int, default=None, help="seed of the micro prompts (seed + rep)")
+    add("--seed", type=seed, default=0, help="workload seed (config seed = seed + 1000 N)")
+    add("--reps", type=positive_int, default=3, help="repetitions (medians reported)")
+    add("--warmup-steps", type=non_negative_int, default=20, help="steps before the timed window")
+    add("--measure-steps", type=positive_int, default=150, help="timed steps per run")
+    add("--max-sim-steps", type=positive_int, default=5000, help="steps per run at most")
+    add("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    add("--max-num-batched-tokens", type=positive_int, default=16384, help="token budget per step")
+    add("--max-num-seqs", type=positive_int, default=1024, help="raised to N when N is larger")
+    add("--max-model-len", type=int_at_least(2), default=8192, help="context limit per request")
+    add("--max-tokens", type=positive_int, default=256, help="serve-mode max_tokens (drawn from 1)")
+    add("--decode-max-tokens", type=positive_int, default=2048, help="decode-mode max_tokens")
+    add("--prefix-len", type=non_negative_int, default=512, help="shared prefix of even prompts")
+    add("--min-prompt", type=positive_int, default=128, help="shortest prompt (tokens)")
+    add("--max-prompt", type=positive_int, default=2048, help="longest prompt (tokens)")
+    add("--preempt-n", type=non_negative_int, default=256, help="N of preempt mode (0: skip it)")
+    add(
+        "--preempt-block-frac",
+        type=float_in(0.0, 1.0, low_open=True),
+        default=0.25,
+        help="preempt mode's fraction of the blocks that N requests need",
+    )
+    add("--micro-iters", type=positive_int, default=2000, help="admissions per micro rep")
+    add("--micro-prompt-len", type=positive_int, default=1100, help="micro prompt length (tokens)")
+    add("--micro-seed", type=seed, default=None, help="seed of the micro prompts (seed + rep)")
     add(
         "--hash-algo",
         default="sha256",
@@ -110,26 +147,70 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="map per-position random draws to requests in vLLM's batch order (same tokens "
         "per request as vLLM) or use dflash-rs's batch order",
     )
-    add("--json", dest="json_out", default=None, metavar="PATH", help="write all results here")
+    add(
+        "--json",
+        dest="json_out",
+        type=output_path,
+        default=None,
+        metavar="PATH",
+        help="write all results here",
+    )
     add(
         "--baseline-python",
         default=None,
         metavar="PATH",
         help="Python interpreter with vLLM installed: replay the workload on vLLM's scheduler",
     )
-    add("--baseline-timeout", type=float, default=None, help="seconds for the vLLM run")
-    add("--trace-out", default=None, help="JSONL, one line per simulated step")
+    add("--baseline-timeout", type=positive_float, default=None, help="seconds for the vLLM run")
+    add("--trace-out", type=output_path, default=None, help="JSONL, one line per simulated step")
     add("--check", action="store_true", help="cross-check draft bookkeeping and invariants")
-    add("--profile-out", default=None, help="cProfile the timed calls of the measured steps")
-    add("--perf-ctl", default=None, metavar="CTL,ACK", help="perf record control fifos")
+    add(
+        "--profile-out",
+        type=output_path,
+        default=None,
+        help="cProfile the timed calls of the measured steps",
+    )
+    add(
+        "--perf-ctl",
+        type=string_pair,
+        default=None,
+        metavar="CTL,ACK",
+        help="perf record control fifos",
+    )
     add(
         "--dump-prompt-hashes",
-        type=int,
+        type=non_negative_int,
         default=0,
         metavar="COUNT",
         help="print sha256 of the first COUNT prompts per config seed and exit",
     )
     add("--quiet", action="store_true", help="print only the result tables")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Options checked against each other and against the scheduler configs they build."""
+    if args.min_prompt > args.max_prompt:
+        raise ValueError(f"--min-prompt {args.min_prompt} is above --max-prompt {args.max_prompt}")
+    longest = max(args.max_prompt, args.prefix_len + args.min_prompt)
+    if longest > args.max_model_len:
+        raise ValueError(
+            f"prompts of up to {longest} tokens (--max-prompt, --prefix-len + --min-prompt) "
+            f"exceed --max-model-len {args.max_model_len}"
+        )
+    micro_longest = max(args.micro_prompt_len, MICRO_SHORT_PROMPT_LEN)
+    if "micro" in args.modes and micro_longest > args.max_model_len:
+        raise ValueError(
+            f"micro prompts of {MICRO_SHORT_PROMPT_LEN} and {args.micro_prompt_len} tokens "
+            f"(--micro-prompt-len) exceed --max-model-len {args.max_model_len}"
+        )
+    for spec in args.spec:
+        build_scheduler_config(args, spec, num_blocks=64, max_num_seqs=args.max_num_seqs)
+
+
+def _with_parent(path: str) -> str:
+    """``path``, once its folder exists (an output path may name folders not made yet)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
 
 
 def _say(args: Any, msg: str) -> None:
@@ -138,14 +219,7 @@ def _say(args: Any, msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    n_list = parse_list(args.n_reqs, int)
-    spec_list = parse_list(args.spec)
-    modes = parse_list(args.modes)
-    paths = parse_list(args.paths)
-    bad = [m for m in modes if m not in MODES] + [p for p in paths if p not in ("arrays", "lists")]
-    if bad:
-        print(f"dflash-rs bench: unknown mode or path: {', '.join(bad)}", file=sys.stderr)
-        return 2
+    n_list, spec_list, modes, paths = args.n_reqs, args.spec, args.modes, args.paths
 
     if args.dump_prompt_hashes:
         seeds = sorted(
@@ -172,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     if "preempt" in modes and args.preempt_n > 0:
         configs += [("preempt", s, args.preempt_n) for s in spec_list]
 
-    trace = open(args.trace_out, "w") if args.trace_out else None
+    trace = open(_with_parent(args.trace_out), "w") if args.trace_out else None
     profiler = None
     if args.profile_out:
         import cProfile
@@ -256,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     if profiler is not None:
         import pstats
 
-        profiler.dump_stats(args.profile_out)
+        profiler.dump_stats(_with_parent(args.profile_out))
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
 
     status = 0
@@ -320,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
             "baseline": base_doc,
             "comparison": comparison,
         }
-        with open(args.json_out, "w") as f:
+        with open(_with_parent(args.json_out), "w") as f:
             json.dump(doc, f, indent=1)
         _say(args, f"wrote {args.json_out}")
     return status
@@ -329,7 +403,9 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Stand-alone entry point (``benches/scheduler_bench.py``)."""
     parser = argparse.ArgumentParser(
-        prog="scheduler_bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        prog="scheduler_bench", description=__doc__, formatter_class=HelpFormatter
     )
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    check_or_exit(parser, check_args, args)
+    return run(args)

@@ -15,6 +15,8 @@ from dflash_rs.bench.stats import PHASES, GcCounter, summarize_ns
 from dflash_rs.bench.workload import FIRST_TOKEN, VOCAB, Workload, blocks_per_req
 
 CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
+#: The micro benchmark also admits prompts of this length, besides --micro-prompt-len.
+MICRO_SHORT_PROMPT_LEN = 16
 
 
 def clock(args):
@@ -22,14 +24,14 @@ def clock(args):
     return CLOCKS[getattr(args, "clock", "wall")]
 
 
-def build_scheduler(args, spec: str, num_blocks: int, max_num_seqs: int):
-    """dflash-rs's Scheduler configured as the harness configures vLLM's."""
+def build_scheduler_config(args, spec: str, num_blocks: int, max_num_seqs: int):
+    """dflash-rs's SchedulerConfig as the harness configures vLLM's."""
     import dflash_rs as d
 
     speculative = None
     if spec != "none":
         speculative = d.SpeculativeConfig(spec, args.num_spec_tokens)
-    cfg = d.SchedulerConfig(
+    return d.SchedulerConfig(
         num_blocks=num_blocks,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
@@ -40,7 +42,13 @@ def build_scheduler(args, spec: str, num_blocks: int, max_num_seqs: int):
         speculative=speculative,
         hash_algo=args.hash_algo,
     )
-    return d.Scheduler(cfg)
+
+
+def build_scheduler(args, spec: str, num_blocks: int, max_num_seqs: int):
+    """dflash-rs's Scheduler configured as the harness configures vLLM's."""
+    import dflash_rs as d
+
+    return d.Scheduler(build_scheduler_config(args, spec, num_blocks, max_num_seqs))
 
 
 def freeze_gc_heap():
@@ -407,7 +415,7 @@ def micro_admit(args, seed: int, iters: int):
     pc = clock(args)
     out = {}
     rng = np.random.default_rng(seed)
-    for L in sorted({args.micro_prompt_len, 16}):
+    for L in sorted({args.micro_prompt_len, MICRO_SHORT_PROMPT_LEN}):
         prompts = rng.integers(FIRST_TOKEN, VOCAB, (iters, L))
         for path in ("arrays", "lists"):
             ps = [p.astype(np.int32) for p in prompts] if path == "arrays" else prompts.tolist()
@@ -436,6 +444,6 @@ def micro_admit(args, seed: int, iters: int):
             out[f"admit_{L}_{path}"] = summarize_ns(times)
             out[f"request_ctor_{L}_{path}"] = summarize_ns(t_req)
             del sched
-    out["prompt_lens"] = sorted({args.micro_prompt_len, 16})
+    out["prompt_lens"] = sorted({args.micro_prompt_len, MICRO_SHORT_PROMPT_LEN})
     out["iters"] = iters
     return out

@@ -8,13 +8,21 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
-from dflash_rs.errors import DFlashRsError
+from dflash_rs._cli_types import (
+    int_at_least,
+    non_negative_float,
+    output_path,
+    positive_int,
+    probability,
+    seed,
+    speculative_tokens,
+)
 from dflash_rs.sim.config import KERNEL_BACKENDS, METHODS, SimConfig
 
 if TYPE_CHECKING:
     from dflash_rs.sim.metrics import SimResult
 
-__all__ = ["add_arguments", "config_from_args", "run"]
+__all__ = ["add_arguments", "check_args", "config_from_args", "run"]
 
 _DEFAULTS = SimConfig()
 
@@ -22,35 +30,52 @@ _DEFAULTS = SimConfig()
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
     add = parser.add_argument
-    add("--seed", type=int, default=d.seed, help="workload and sampler seed")
-    add("--num-requests", type=int, default=d.num_requests, help="requests, all turns counted")
-    add("--num-blocks", type=int, default=d.num_blocks, help="KV blocks (small = preemptions)")
-    add("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    add("--seed", type=seed, default=d.seed, help="workload and sampler seed")
+    add(
+        "--num-requests",
+        type=positive_int,
+        default=d.num_requests,
+        help="requests, all turns counted",
+    )
+    add(
+        "--num-blocks",
+        type=int_at_least(2),
+        default=d.num_blocks,
+        help="KV blocks (small = preemptions)",
+    )
+    add("--block-size", type=positive_int, default=d.block_size, help="tokens per KV block")
     add("--method", choices=METHODS, default=d.method, help="speculative method")
     add(
         "-k",
         "--num-speculative-tokens",
-        type=int,
+        type=speculative_tokens,
         default=d.num_speculative_tokens,
         help="K, drafts per step",
     )
     add(
         "--acceptance-rate",
-        type=float,
+        type=probability,
         default=d.acceptance_rate,
         help="probability that a draft is accepted given the earlier ones were",
     )
     add(
         "--arrival-rate",
-        type=float,
+        type=non_negative_float,
         default=d.arrival_rate,
         help="first-turn arrivals per model step (Poisson); 0 = all at once",
     )
-    add("--max-model-len", type=int, default=d.max_model_len, help="context limit per request")
-    add("--max-num-seqs", type=int, default=d.max_num_seqs, help="running requests at most")
+    add(
+        "--max-model-len",
+        type=int_at_least(2),
+        default=d.max_model_len,
+        help="context limit per request",
+    )
+    add(
+        "--max-num-seqs", type=positive_int, default=d.max_num_seqs, help="running requests at most"
+    )
     add(
         "--max-num-batched-tokens",
-        type=int,
+        type=positive_int,
         default=d.max_num_batched_tokens,
         help="token budget per step (chunked prefill)",
     )
@@ -69,10 +94,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="legacy values reproduce known lookahead bugs (the run must then fail)",
     )
     add("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    add("--max-steps", type=int, default=d.max_steps, help=argparse.SUPPRESS)
-    add("--json", metavar="PATH", help="write the report as JSON")
-    add("--plot", metavar="PATH", help="write a PNG of scheduler time, requests and KV usage")
+    add("--max-steps", type=positive_int, default=d.max_steps, help=argparse.SUPPRESS)
+    add("--json", type=output_path, metavar="PATH", help="write the report as JSON")
+    add(
+        "--plot",
+        type=output_path,
+        metavar="PATH",
+        help="write a PNG of scheduler time, requests and KV usage",
+    )
     add("--quiet", action="store_true", help="no progress bar or summary, only the verdict")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Options checked against each other: the run's config must build."""
+    config_from_args(args)
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -141,11 +176,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
-    try:
-        config = config_from_args(args)
-    except (ValueError, DFlashRsError) as exc:
-        print(f"dflash-rs simulate: {exc}", file=sys.stderr)
-        return 2
+    config = config_from_args(args)  # check_args passed
     _prepare_kernel(config.kernel)
     show_progress = not args.quiet and sys.stdout.isatty()
     bar, progress = _progress_bar(config.num_requests) if show_progress else (None, None)

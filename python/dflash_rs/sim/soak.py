@@ -33,6 +33,15 @@ import numpy as np
 
 import dflash_rs
 from dflash_rs import ModelRunnerOutput, Request, Scheduler
+from dflash_rs._cli_types import (
+    int_at_least,
+    non_negative_float,
+    output_path,
+    positive_int,
+    probability,
+    seed,
+    speculative_tokens,
+)
 from dflash_rs.config import SPECULATIVE_METHODS, SchedulerConfig, SpeculativeConfig
 from dflash_rs.errors import DFlashRsError, InvariantError
 
@@ -40,6 +49,7 @@ __all__ = [
     "SoakConfig",
     "SoakReport",
     "add_arguments",
+    "check_args",
     "config_from_args",
     "required_lookahead",
     "rss_bytes",
@@ -590,30 +600,45 @@ _DEFAULTS = SoakConfig()
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
     add = parser.add_argument
-    add("--num-requests", type=int, default=d.num_requests, help="requests to push through")
-    add("--num-blocks", type=int, default=d.num_blocks, help="KV blocks (small = preemption)")
-    add("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    add("--max-num-seqs", type=int, default=d.max_num_seqs, help="running requests at most")
+    add(
+        "--num-requests", type=positive_int, default=d.num_requests, help="requests to push through"
+    )
+    add(
+        "--num-blocks",
+        type=int_at_least(2),
+        default=d.num_blocks,
+        help="KV blocks (small = preemption)",
+    )
+    add("--block-size", type=positive_int, default=d.block_size, help="tokens per KV block")
+    add(
+        "--max-num-seqs", type=positive_int, default=d.max_num_seqs, help="running requests at most"
+    )
     add("--method", choices=METHODS, default=d.method, help="speculative method")
-    add("-k", "--num-speculative-tokens", type=int, default=d.num_speculative_tokens, help="K")
+    add(
+        "-k",
+        "--num-speculative-tokens",
+        type=speculative_tokens,
+        default=d.num_speculative_tokens,
+        help="K, drafts per step",
+    )
     add("--policy", choices=("fcfs", "priority"), default=d.policy, help="scheduling policy")
-    add("--seed", type=int, default=d.seed, help="workload and sampler seed")
+    add("--seed", type=seed, default=d.seed, help="workload and sampler seed")
     add(
         "--abort-rate",
-        type=float,
+        type=probability,
         default=d.abort_rate,
         help="fraction of requests marked to be aborted (if still live by then)",
     )
     add(
         "--check-every",
-        type=int,
+        type=positive_int,
         default=d.check_every,
         help="full check (check_invariants + block_ids per row) every N steps; the numpy "
         "ownership check runs every step",
     )
     add(
         "--max-rss-growth",
-        type=float,
+        type=non_negative_float,
         default=d.max_rss_growth_pct,
         help="fail when RSS grows by this many percent from warm-up to the end",
     )
@@ -629,8 +654,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also measure the Python heap with tracemalloc (slower), to tell Python from "
         "native growth",
     )
-    add("--json", metavar="PATH", help="write the report as JSON")
+    add("--json", type=output_path, metavar="PATH", help="write the report as JSON")
     add("--quiet", action="store_true", help="no progress bar or summary, only the verdict")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Options checked against each other: the run's config must build."""
+    config_from_args(args)
 
 
 def config_from_args(args: argparse.Namespace) -> SoakConfig:
@@ -672,11 +702,7 @@ def _progress_bar(total: int) -> Tuple[Any, Optional[Progress]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = config_from_args(args)
-    except (ValueError, DFlashRsError) as exc:
-        print(f"dflash-rs soak: {exc}", file=sys.stderr)
-        return 2
+    config = config_from_args(args)  # check_args passed
     show_progress = not args.quiet and sys.stderr.isatty()
     bar, progress = _progress_bar(config.num_requests) if show_progress else (None, None)
     try:
@@ -687,6 +713,7 @@ def run(args: argparse.Namespace) -> int:
     text = report.summary()
     print(text if not args.quiet else text.splitlines()[-1])
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
         if not args.quiet:
             print(f"wrote {args.json}")
