@@ -32,7 +32,7 @@ impl ManagedRequest {
 }
 
 /// Block pool + prefix cache + lookahead-aware allocation, keyed by request id.
-#[pyclass(module = "dflash_rs._core", name = "KVCacheManager")]
+#[pyclass(module = "dflash_rs._core", name = "KVCacheManager", weakref)]
 pub struct PyKvCacheManager {
     inner: KvCacheManager,
     hasher: BlockHasher,

@@ -7,9 +7,11 @@ use dflash_core::{
 };
 use numpy::ndarray::{ArrayView1, ArrayView2};
 use numpy::{PyArray1, PyArray2, PyUntypedArrayMethods};
+use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString};
+use pyo3::PyTraverseError;
 use std::borrow::Cow;
 
 use crate::convert::{strict_bool, token_ids, OutputArg, RequestId, Text};
@@ -24,7 +26,7 @@ use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spe
 ///
 /// Safe to share between Python threads: calls are serialised by an internal lock (see
 /// [`Guarded`]), and the GIL is released around the O(batch) work.
-#[pyclass(module = "dflash_rs._core", name = "Scheduler", frozen)]
+#[pyclass(module = "dflash_rs._core", name = "Scheduler", frozen, weakref)]
 pub struct PyScheduler {
     state: Guarded<State>,
     config: Py<PyAny>,
@@ -345,6 +347,29 @@ impl PyScheduler {
     #[getter]
     fn config(&self, py: Python<'_>) -> Py<PyAny> {
         self.config.clone_ref(py)
+    }
+
+    /// Garbage-collector support: the config and the Python objects the state holds. Skips the
+    /// state while a call holds it (the collector then sees fewer references, which can only
+    /// keep objects alive, never free one in use).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.config)?;
+        self.state
+            .try_peek(|st| {
+                for id in &st.ids {
+                    visit.call(id)?;
+                }
+                visit.call(&st.last_req_ids)
+            })
+            .unwrap_or(Ok(()))
+    }
+
+    /// Breaks reference cycles: drops the cached `req_ids` list (a list the caller may have
+    /// filled with anything). The config is immutable here, so a cycle through it is broken
+    /// where it is mutable (the config's attribute). The interned ids are strs, which hold no
+    /// references.
+    fn __clear__(&self) {
+        self.state.try_peek(|st| st.last_req_ids = None);
     }
 
     /// Enqueues a request (hashing its prompt blocks in Rust).
