@@ -18,6 +18,7 @@ from dflash_rs._core import (
 )
 from dflash_rs.config import SPECULATIVE_METHODS, SchedulerConfig, SpeculativeConfig
 from dflash_rs.errors import (
+    ArgumentTypeError,
     DFlashRsError,
     DuplicateRequestError,
     InvalidArgumentError,
@@ -32,6 +33,7 @@ from dflash_rs.request import ModelRunnerOutput, Request
 
 __all__ = [
     "SPECULATIVE_METHODS",
+    "ArgumentTypeError",
     "CachedRequestData",
     "DFlashRsError",
     "DuplicateRequestError",

@@ -1,6 +1,6 @@
 """Type stubs of the native module ``dflash_rs._core`` (checked against it by mypy.stubtest)."""
 
-from typing import Any, Iterable, Literal, Optional, Sequence, Union, final
+from typing import Any, Iterable, Literal, Optional, Sequence, SupportsIndex, Union, final
 
 import numpy as np
 import numpy.typing as npt
@@ -18,18 +18,22 @@ __all__ = [
 
 __version__: str
 
-_TokenIds = Union[Sequence[int], npt.NDArray[np.int32], npt.NDArray[np.int64]]
+# Token ids, counts and block ids: a sequence of ints (numpy integers too, never bools) or a
+# 1-D integer array of any integer dtype (int32 and int64 are read in place).
+_TokenIds = Union[Sequence[SupportsIndex], npt.NDArray[np.integer[Any]]]
+# An int argument: an int or a numpy integer (anything with __index__ but a bool).
+_Int = SupportsIndex
 
 @final
 class KVCacheManager:
     def __new__(
         cls,
-        num_blocks: int,
-        block_size: int,
-        max_model_len: int,
+        num_blocks: _Int,
+        block_size: _Int,
+        max_model_len: _Int,
         enable_prefix_caching: bool = True,
         hash_algo: str = "sha256",
-        hash_seed: Union[str, bytes, int, None] = None,
+        hash_seed: Union[str, bytes, _Int, None] = None,
         verify_prefix_hits: bool = True,
     ) -> KVCacheManager: ...
     def add_request(
@@ -44,12 +48,12 @@ class KVCacheManager:
     def allocate_slots(
         self,
         request_id: str,
-        num_new_tokens: int,
+        num_new_tokens: _Int,
         *,
-        num_computed_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[int] = ...,
-        num_lookahead_tokens: int = 0,
+        num_computed_tokens: _Int,
+        num_new_computed_tokens: _Int = 0,
+        new_computed_blocks: _TokenIds = ...,
+        num_lookahead_tokens: _Int = 0,
         full_sequence_must_fit: bool = False,
     ) -> Optional[list[int]]: ...
     def free(self, request_id: str) -> None: ...
@@ -62,8 +66,8 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool: ...
     def check_invariants(self) -> None: ...
     def free_block_ids(self) -> list[int]: ...
-    def ref_count(self, block_id: int) -> int: ...
-    def block_hash(self, block_id: int) -> Optional[bytes]: ...
+    def ref_count(self, block_id: _Int) -> int: ...
+    def block_hash(self, block_id: _Int) -> Optional[bytes]: ...
     def prefix_cache_stats(self) -> tuple[int, int, int]: ...
     @property
     def num_free_blocks(self) -> int: ...
@@ -194,7 +198,7 @@ class Scheduler:
     def update_from_output_arrays(
         self, output: SchedulerOutput, runner_output: Any
     ) -> UpdateResult: ...
-    def update_draft_token_ids(self, draft_token_ids: dict[str, Sequence[int]]) -> int: ...
+    def update_draft_token_ids(self, draft_token_ids: dict[str, _TokenIds]) -> int: ...
     def update_draft_token_ids_from_arrays(
         self, output: SchedulerOutput, draft_tokens: _TokenIds, num_draft_tokens: _TokenIds
     ) -> int: ...

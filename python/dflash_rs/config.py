@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from dflash_rs.errors import InvalidArgumentError
+from dflash_rs._checks import as_int
+from dflash_rs.errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["SPECULATIVE_METHODS", "SchedulerConfig", "SpeculativeConfig"]
 
@@ -22,18 +23,23 @@ _HASH_ALGOS = ("sha256", "blake3", "xxh3_128")
 _INT64_MAX = 2**63 - 1
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
-    if value > _INT64_MAX:
-        raise InvalidArgumentError(f"{name} must be <= 2**63 - 1, got {value}")
+def _check_int(config: object, name: str, minimum: int) -> None:
+    """Checks the int field ``name`` of a frozen config; a numpy integer is stored as an int."""
+    value = getattr(config, name)
+    checked = as_int(value)
+    if checked is None:
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__}")
+    if checked < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {checked}")
+    if checked > _INT64_MAX:
+        raise InvalidArgumentError(f"{name} must be <= 2**63 - 1, got {checked}")
+    if checked is not value:
+        object.__setattr__(config, name, checked)
 
 
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be a bool, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class SpeculativeConfig:
                 f"unknown speculative method {self.method!r}; expected one of "
                 f"{', '.join(SPECULATIVE_METHODS)}"
             )
-        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        _check_int(self, "num_speculative_tokens", 1)
         if self.num_speculative_tokens > 64:
             raise InvalidArgumentError("num_speculative_tokens must be <= 64")
 
@@ -100,13 +106,13 @@ class SchedulerConfig:
     vllm_semantics: str = "0.33"
 
     def __post_init__(self) -> None:
-        _check_int("num_blocks", self.num_blocks, 2)
-        _check_int("block_size", self.block_size, 1)
-        _check_int("max_model_len", self.max_model_len, 2)
-        _check_int("max_num_seqs", self.max_num_seqs, 1)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
-        _check_int("draft_slots_per_request", self.draft_slots_per_request, 0)
+        _check_int(self, "num_blocks", 2)
+        _check_int(self, "block_size", 1)
+        _check_int(self, "max_model_len", 2)
+        _check_int(self, "max_num_seqs", 1)
+        _check_int(self, "max_num_batched_tokens", 1)
+        _check_int(self, "long_prefill_token_threshold", 0)
+        _check_int(self, "draft_slots_per_request", 0)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_bool("verify_prefix_hits", self.verify_prefix_hits)

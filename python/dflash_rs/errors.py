@@ -1,13 +1,16 @@
 """Exceptions raised by dflash-rs.
 
 Every error derives from :class:`DFlashRsError`, and also from the builtin a caller would catch
-(``ValueError``, ``KeyError``, ``RuntimeError``), so ``except ValueError`` keeps working.
+(``ValueError``, ``KeyError``, ``RuntimeError``, ``TypeError``), so ``except ValueError`` keeps
+working. An argument of the wrong type raises :class:`ArgumentTypeError`, which is both an
+:class:`InvalidArgumentError` and a ``TypeError``.
 A failed call leaves every structure as it was.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentTypeError",
     "DFlashRsError",
     "DuplicateRequestError",
     "InvalidArgumentError",
@@ -26,6 +29,11 @@ class DFlashRsError(Exception):
 
 class InvalidArgumentError(DFlashRsError, ValueError):
     """An argument is out of range or inconsistent with the others."""
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument has the wrong type (a str where an int is expected, a bool where a token id
+    is, a float array where an integer array is). ``except TypeError`` catches it too."""
 
 
 class UnknownRequestError(DFlashRsError, KeyError):

@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from dflash_rs.errors import InvalidArgumentError
+from dflash_rs._checks import as_int
+from dflash_rs.errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["ModelRunnerOutput", "Request"]
 
@@ -17,27 +18,32 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _now = time.time
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    """An int in ``[minimum, 2**63 - 1]`` (the scheduler stores 64-bit values)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentError(f"{name} must be an int")
-    if value < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
-    if value > _INT64_MAX:
-        raise InvalidArgumentError(f"{name} must be <= 2**63 - 1, got {value}")
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    """An int in ``[minimum, 2**63 - 1]`` (the scheduler stores 64-bit values), as an int."""
+    checked = as_int(value)
+    if checked is None:
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__}")
+    if checked < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {checked}")
+    if checked > _INT64_MAX:
+        raise InvalidArgumentError(f"{name} must be <= 2**63 - 1, got {checked}")
+    return checked
 
 
-def _check_token(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__}")
-    if not 0 <= value <= _MAX_TOKEN_ID:
-        raise InvalidArgumentError(f"{name} = {value} is outside [0, 2**31 - 1]")
+def _check_token(name: str, value: Any) -> int:
+    checked = as_int(value)
+    if checked is None:
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= checked <= _MAX_TOKEN_ID:
+        raise InvalidArgumentError(f"{name} = {checked} is outside [0, 2**31 - 1]")
+    return checked
 
 
 @dataclass
 class Request:
-    """One generation request. ``prompt_token_ids`` may be a list or a 1-D integer array;
-    its values are checked when the scheduler admits it (in Rust, without a Python loop)."""
+    """One generation request. ``prompt_token_ids`` may be a list or a 1-D integer array (any
+    integer dtype); its values are checked when the scheduler admits it (in Rust, without a
+    Python loop). Int fields take numpy integers too (stored as ints), never bools."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
@@ -54,43 +60,54 @@ class Request:
     def __post_init__(self) -> None:
         # Each check takes its fast path (exact types, in range) first and the full check,
         # with its message, only when that fails: a Request is made per admission.
-        if not isinstance(self.request_id, str) or not self.request_id:
+        if not isinstance(self.request_id, str):
+            raise ArgumentTypeError(
+                f"request_id must be a non-empty string, got {type(self.request_id).__name__}"
+            )
+        if not self.request_id:
             raise InvalidArgumentError("request_id must be a non-empty string")
         value = self.max_tokens
         if type(value) is not int or not 1 <= value <= _INT64_MAX:
-            _check_int("max_tokens", value, 1)
+            self.max_tokens = _check_int("max_tokens", value, 1)
         value = self.min_tokens
         if type(value) is not int or not 0 <= value <= _INT64_MAX:
-            _check_int("min_tokens", value, 0)
+            self.min_tokens = _check_int("min_tokens", value, 0)
         if self.min_tokens > self.max_tokens:
             raise InvalidArgumentError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         value = self.priority
         if type(value) is not int or not _INT64_MIN <= value <= _INT64_MAX:
-            _check_int("priority", value, _INT64_MIN)
+            self.priority = _check_int("priority", value, _INT64_MIN)
         if self.ignore_eos is not False and self.ignore_eos is not True:
-            raise InvalidArgumentError(
+            raise ArgumentTypeError(
                 f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}"
             )
         if self.eos_token_id is not None:
-            _check_token("eos_token_id", self.eos_token_id)
-        stop = self.stop_token_ids = tuple(self.stop_token_ids)
-        for t in stop:
-            _check_token("stop_token_ids[...]", t)
+            self.eos_token_id = _check_token("eos_token_id", self.eos_token_id)
+        try:
+            stop = tuple(self.stop_token_ids)
+        except TypeError:
+            raise ArgumentTypeError(
+                "stop_token_ids must be a sequence of ints, got "
+                f"{type(self.stop_token_ids).__name__}"
+            ) from None
+        if stop:
+            stop = tuple(_check_token("stop_token_ids[...]", t) for t in stop)
+        self.stop_token_ids = stop
         arrival = self.arrival_time
         if arrival is None:
             self.arrival_time = _now()
         elif isinstance(arrival, bool) or not isinstance(arrival, numbers.Real):
-            raise InvalidArgumentError(
+            raise ArgumentTypeError(
                 f"arrival_time must be a number or None, got {type(arrival).__name__}"
             )
         elif not math.isfinite(arrival):
             raise InvalidArgumentError(f"arrival_time must be finite, got {arrival}")
         if self.lora_name is not None and not isinstance(self.lora_name, str):
-            raise InvalidArgumentError("lora_name must be a str or None")
+            raise ArgumentTypeError("lora_name must be a str or None")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
-            raise InvalidArgumentError("cache_salt must be a str or None")
+            raise ArgumentTypeError("cache_salt must be a str or None")
 
 
 @dataclass
@@ -127,7 +144,8 @@ class ModelRunnerOutput:
         num_sampled_tokens: Any,
         draft_token_ids: Optional[Sequence[Sequence[int]]] = None,
     ) -> ModelRunnerOutput:
-        """Flat int32/int64 ``sampled_tokens`` with per-request ``num_sampled_tokens``."""
+        """Flat ``sampled_tokens`` (a 1-D integer array, int32 or int64 read in place) with
+        per-request ``num_sampled_tokens``."""
         return cls(
             req_ids,
             None,

@@ -15,6 +15,7 @@ import pytest
 
 import dflash_rs
 from dflash_rs import (
+    ArgumentTypeError,
     DFlashRsError,
     DuplicateRequestError,
     InvalidArgumentError,
@@ -118,28 +119,50 @@ CASES = {
     "tokens-none": Case(lambda m: m.add_request("x", None), InvalidArgumentError, "token_ids"),
     "tokens-nested": Case(lambda m: m.add_request("x", [[1]]), InvalidArgumentError, "token_ids"),
     "tokens-numpy-float": Case(
-        lambda m: m.add_request("x", np.array([1.0])), InvalidArgumentError, "int32 or int64"
+        lambda m: m.add_request("x", np.array([1.0])),
+        ArgumentTypeError,
+        "token_ids must be a 1-D integer array, got ndim=1 dtype=float64",
     ),
-    "tokens-numpy-uint8": Case(
-        lambda m: m.add_request("x", np.array([1], dtype=np.uint8)),
-        InvalidArgumentError,
-        "int32 or int64",
+    "tokens-numpy-bool": Case(
+        lambda m: m.add_request("x", np.array([True, False])),
+        ArgumentTypeError,
+        "token_ids must be a 1-D integer array, got ndim=1 dtype=bool",
     ),
-    "tokens-numpy-int16": Case(
-        lambda m: m.add_request("x", np.array([1], dtype=np.int16)),
+    "tokens-bools": Case(
+        lambda m: m.add_request("x", [True, False]),
+        ArgumentTypeError,
+        "token_ids[0] must be an int, got the bool True",
+    ),
+    "tokens-numpy-bool-scalar": Case(
+        lambda m: m.add_request("x", [3, np.False_]),
+        ArgumentTypeError,
+        "token_ids[1] must be an int, got the bool False",
+    ),
+    "append-bools": Case(
+        lambda m: m.append_token_ids("held", (1, True)),
+        ArgumentTypeError,
+        "token_ids[1] must be an int, got the bool True",
+    ),
+    "tokens-numpy-uint64-beyond-int32": Case(
+        lambda m: m.add_request("x", np.array([2**63 + 1], dtype=np.uint64)),
         InvalidArgumentError,
-        "int32 or int64",
+        "token_ids[0] = 9223372036854775809 is outside [0, 2**31 - 1]",
+    ),
+    "tokens-numpy-int8-negative": Case(
+        lambda m: m.add_request("x", np.array([1, -128], dtype=np.int8)),
+        InvalidArgumentError,
+        "token_ids[1] = -128 is outside",
     ),
     # A big-endian array must be rejected, not reinterpreted (256 would silently read as 65536).
     "tokens-numpy-big-endian": Case(
         lambda m: m.add_request("x", np.array([256, 1], dtype=">i4")),
         InvalidArgumentError,
-        "int32 or int64",
+        "token_ids must be an integer array in native byte order, got dtype=>i4",
     ),
     "append-numpy-big-endian": Case(
-        lambda m: m.append_token_ids("held", np.array([1], dtype=">i8")),
+        lambda m: m.append_token_ids("held", np.array([1], dtype=">u2")),
         InvalidArgumentError,
-        "int32 or int64",
+        "native byte order",
     ),
     "tokens-numpy-2d": Case(
         lambda m: m.add_request("x", np.array([[1, 2]], dtype=np.int64)),
@@ -159,10 +182,45 @@ CASES = {
         InvalidArgumentError,
         "1099511627776",
     ),
-    "request-id-int": Case(lambda m: m.add_request(5, [1]), TypeError, "str"),
-    "request-id-none": Case(lambda m: m.add_request(None, [1]), TypeError, "str"),
-    "cache-salt-int": Case(lambda m: m.add_request("x", [1], cache_salt=5), TypeError, "str"),
-    "lora-name-int": Case(lambda m: m.add_request("x", [1], lora_name=5), TypeError, "str"),
+    "request-id-int": Case(
+        lambda m: m.add_request(5, [1]), ArgumentTypeError, "request_id must be a str, got int"
+    ),
+    "request-id-none": Case(
+        lambda m: m.add_request(None, [1]),
+        ArgumentTypeError,
+        "request_id must be a str, got NoneType",
+    ),
+    "cache-salt-int": Case(
+        lambda m: m.add_request("x", [1], cache_salt=5),
+        ArgumentTypeError,
+        "cache_salt must be a str, got int",
+    ),
+    "lora-name-int": Case(
+        lambda m: m.add_request("x", [1], lora_name=5),
+        ArgumentTypeError,
+        "lora_name must be a str, got int",
+    ),
+    "request-id-surrogate": Case(
+        lambda m: m.add_request("\udc80", [1]), InvalidArgumentError, "lone surrogate"
+    ),
+    # ---- wrong id types at every entry point taking a request id
+    "append-id-int": Case(
+        lambda m: m.append_token_ids(1, [1]), ArgumentTypeError, "request_id must be a str"
+    ),
+    "get-computed-id-none": Case(
+        lambda m: m.get_computed_blocks(None), ArgumentTypeError, "got NoneType"
+    ),
+    "alloc-id-bytes": Case(
+        lambda m: m.allocate_slots(b"fresh", 1, num_computed_tokens=0),
+        ArgumentTypeError,
+        "request_id must be a str, got bytes",
+    ),
+    "free-id-list": Case(lambda m: m.free(["held"]), ArgumentTypeError, "got list"),
+    "block-ids-id-int": Case(lambda m: m.block_ids(3), ArgumentTypeError, "got int"),
+    "num-tokens-id-float": Case(lambda m: m.num_tokens(1.0), ArgumentTypeError, "got float"),
+    "block-hashes-id-none": Case(lambda m: m.block_hashes(None), ArgumentTypeError, "NoneType"),
+    "num-cached-id-dict": Case(lambda m: m.num_cached_blocks({}), ArgumentTypeError, "got dict"),
+    "has-request-id-int": Case(lambda m: m.has_request(1), ArgumentTypeError, "got int"),
     # ---- append_token_ids (all-or-nothing: a bad token later in the list appends nothing)
     "append-beyond-max-model-len": Case(
         lambda m: m.append_token_ids("held", [1] * (MML - 9 + 1)),
@@ -263,18 +321,45 @@ CASES = {
         hits("fresh", [1]), InvalidArgumentError, "new_computed_blocks[0]", caching=False
     ),
     # ---- allocate_slots: Python types
-    "new-tokens-float": Case(alloc("fresh", 1.0), TypeError, "integer"),
-    "new-tokens-str": Case(alloc("fresh", "1"), TypeError, "integer"),
-    "lookahead-float": Case(alloc("fresh", num_lookahead_tokens=2.0), TypeError, "integer"),
+    "new-tokens-float": Case(
+        alloc("fresh", 1.0), ArgumentTypeError, "an int argument must be an int, got float"
+    ),
+    "new-tokens-str": Case(alloc("fresh", "1"), ArgumentTypeError, "must be an int, got str"),
+    "lookahead-float": Case(
+        alloc("fresh", num_lookahead_tokens=2.0), ArgumentTypeError, "must be an int, got float"
+    ),
+    "computed-none": Case(
+        alloc("fresh", num_computed_tokens=None), ArgumentTypeError, "got NoneType"
+    ),
+    "new-tokens-numpy-bool": Case(
+        alloc("fresh", np.True_), ArgumentTypeError, "must be an int, got the bool True"
+    ),
+    "full-sequence-flag-int": Case(
+        alloc("fresh", full_sequence_must_fit=1),
+        ArgumentTypeError,
+        "a bool argument must be a bool, got int",
+    ),
+    "hits-bools": Case(
+        hits("fresh", [True]),
+        ArgumentTypeError,
+        "new_computed_blocks[0] must be an int, got the bool True",
+    ),
+    "hits-float-array": Case(
+        hits("fresh", np.array([1.0])),
+        ArgumentTypeError,
+        "new_computed_blocks must be a 1-D integer array, got ndim=1 dtype=float64",
+    ),
     "computed-missing": Case(
         lambda m: m.allocate_slots("fresh", 1), TypeError, "num_computed_tokens"
     ),
     "hits-none": Case(
         lambda m: m.allocate_slots("fresh", 1, num_computed_tokens=0, new_computed_blocks=None),
-        TypeError,
-        "Sequence",
+        ArgumentTypeError,
+        "new_computed_blocks must be a sequence of ints or a 1-D integer array, got NoneType",
     ),
-    "hits-float-ids": Case(hits("fresh", [1.0]), TypeError, "integer"),
+    "hits-float-ids": Case(
+        hits("fresh", [1.0]), ArgumentTypeError, "new_computed_blocks[0] is a float"
+    ),
     "new-tokens-bool": Case(alloc("fresh", True), InvalidArgumentError, "got the bool True"),
     # ---- debug helpers
     "ref-count-out-of-range": Case(lambda m: m.ref_count(11), InvalidArgumentError, "range"),
@@ -282,6 +367,12 @@ CASES = {
     "block-hash-out-of-range": Case(lambda m: m.block_hash(11), InvalidArgumentError, "range"),
     "block-hash-negative": Case(lambda m: m.block_hash(-1), InvalidArgumentError, "range"),
     "ref-count-huge": Case(lambda m: m.ref_count(2**40), InvalidArgumentError, "range"),
+    "ref-count-str": Case(lambda m: m.ref_count("1"), ArgumentTypeError, "got str"),
+    "ref-count-bool": Case(lambda m: m.ref_count(True), ArgumentTypeError, "the bool True"),
+    "block-hash-none": Case(lambda m: m.block_hash(None), ArgumentTypeError, "got NoneType"),
+    "block-hash-numpy-bool": Case(
+        lambda m: m.block_hash(np.False_), ArgumentTypeError, "the bool False"
+    ),
 }
 
 
@@ -292,6 +383,8 @@ def test_bad_input_raises_and_changes_nothing(name: str) -> None:
     before = snapshot(m)
     with pytest.raises(case.exc, match=re.escape(case.fragment)) as info:
         case.call(m)
+    # Only a call that does not match the signature (a missing argument) raises the builtin
+    # TypeError, as any Python function does; a wrong type raises ArgumentTypeError.
     if case.exc is not TypeError:
         assert isinstance(info.value, DFlashRsError)
     assert snapshot(m) == before
@@ -329,14 +422,33 @@ def test_bad_input_raises_and_changes_nothing(name: str) -> None:
         pytest.param(
             (11, 4, 64), {"hash_algo": ""}, InvalidArgumentError, "hash_algo", id="algo-empty"
         ),
-        pytest.param((11.0, 4, 64), {}, TypeError, "integer", id="num-blocks-float"),
-        pytest.param((11, "4", 64), {}, TypeError, "integer", id="block-size-str"),
+        pytest.param((11.0, 4, 64), {}, ArgumentTypeError, "got float", id="num-blocks-float"),
+        pytest.param((11, "4", 64), {}, ArgumentTypeError, "got str", id="block-size-str"),
+        pytest.param((None, 4, 64), {}, ArgumentTypeError, "NoneType", id="num-blocks-none"),
+        pytest.param(
+            (11, np.True_, 64), {}, ArgumentTypeError, "the bool True", id="block-size-np-bool"
+        ),
+        pytest.param((11, 4, 64), {"hash_algo": 1}, ArgumentTypeError, "got int", id="algo-int"),
+        pytest.param(
+            (11, 4, 64), {"hash_seed": True}, ArgumentTypeError, "got bool", id="seed-bool"
+        ),
+        pytest.param(
+            (11, 4, 64),
+            {"verify_prefix_hits": None},
+            ArgumentTypeError,
+            "a bool argument must be a bool, got NoneType",
+            id="verify-none",
+        ),
         pytest.param((11, 4, -1), {}, InvalidArgumentError, "max_model_len", id="mml-neg"),
         pytest.param(
             (11, 4, 64), {"hash_seed": 1.5}, InvalidArgumentError, "hash_seed", id="seed-float"
         ),
         pytest.param(
-            (11, 4, 64), {"enable_prefix_caching": "no"}, TypeError, "bool", id="caching-str"
+            (11, 4, 64),
+            {"enable_prefix_caching": "no"},
+            ArgumentTypeError,
+            "a bool argument must be a bool, got str",
+            id="caching-str",
         ),
         pytest.param(
             (2**70, 4, 64), {}, InvalidArgumentError, "out of range", id="num-blocks-2**70"
@@ -350,8 +462,46 @@ def test_bad_input_raises_and_changes_nothing(name: str) -> None:
 def test_bad_constructor_arguments(
     args: tuple, kwargs: dict, exc: Type[BaseException], fragment: str
 ) -> None:
-    with pytest.raises(exc, match=re.escape(fragment)):
+    with pytest.raises(exc, match=re.escape(fragment)) as info:
         KVCacheManager(*args, **kwargs)
+    assert isinstance(info.value, DFlashRsError)
+
+
+@pytest.mark.parametrize(
+    "dtype", ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+)
+def test_integer_arrays_of_every_dtype(dtype: str) -> None:
+    """Token ids (and hit block ids) come in every integer dtype and read as from a list."""
+    by_array = KVCacheManager(11, BS, MML, hash_seed=np.int64(0))
+    by_list = KVCacheManager(11, BS, MML, hash_seed=0)
+    by_array.add_request("a", np.arange(9, dtype=dtype))
+    by_list.add_request("a", list(range(9)))
+    by_array.append_token_ids("a", np.array([9, 10], dtype=dtype))
+    by_list.append_token_ids("a", [9, 10])
+    assert by_array.block_hashes("a") == by_list.block_hashes("a")
+    assert by_array.allocate_slots("a", 11, num_computed_tokens=0) == [1, 2, 3]
+    by_array.free("a")
+    by_array.add_request("b", np.arange(9, dtype=dtype))
+    assert by_array.allocate_slots(
+        "b",
+        1,
+        num_computed_tokens=0,
+        num_new_computed_tokens=np.int32(8),
+        new_computed_blocks=np.array([1, 2], dtype=dtype),
+    ) == [3]
+    by_array.check_invariants()
+
+
+def test_numpy_integer_scalars_are_ints() -> None:
+    m = KVCacheManager(np.int64(11), np.uint8(BS), np.int32(MML))
+    assert (m.num_blocks, m.block_size, m.max_model_len) == (11, BS, MML)
+    m.add_request("a", [np.int32(1), np.uint64(2), 3, 4, 5])
+    new = m.allocate_slots(
+        "a", np.int16(5), num_computed_tokens=np.uint32(0), num_lookahead_tokens=np.int8(3)
+    )
+    assert new == [1, 2]
+    assert m.ref_count(np.uint16(1)) == 1 and m.block_hash(np.int64(2)) is None
+    m.check_invariants()
 
 
 def test_non_contiguous_token_arrays_are_read_by_value() -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from dflash_rs import (
+    ArgumentTypeError,
     DFlashRsError,
     DuplicateRequestError,
     InvalidArgumentError,
@@ -157,8 +158,8 @@ CASES: Dict[str, Case] = {
     ),
     "id not a str (duck)": Case(
         lambda s, o: s.add_request(duck_request(request_id=5)),
-        InvalidArgumentError,
-        "request_id must be a str",
+        ArgumentTypeError,
+        "request_id must be a str, got int",
     ),
     "empty prompt": Case(
         lambda s, o: s.add_request(Request("e", [], 4)),
@@ -257,8 +258,8 @@ CASES: Dict[str, Case] = {
     ),
     "float array prompt": Case(
         lambda s, o: s.add_request(Request("t", np.zeros(3, dtype=np.float32), 4)),
-        InvalidArgumentError,
-        "must be a 1-D int32 or int64 array, got ndim=1 dtype=float32",
+        ArgumentTypeError,
+        "prompt_token_ids must be a 1-D integer array, got ndim=1 dtype=float32",
     ),
     "2-D array prompt": Case(
         lambda s, o: s.add_request(Request("t", np.zeros((2, 2), dtype=np.int64), 4)),
@@ -272,13 +273,13 @@ CASES: Dict[str, Case] = {
     ),
     "priority not an int (duck)": Case(
         lambda s, o: s.add_request(duck_request(priority="high")),
-        TypeError,
-        "cannot be interpreted as an integer",
+        ArgumentTypeError,
+        "priority must be an int, got str",
     ),
     "lora_name not a str (duck)": Case(
         lambda s, o: s.add_request(duck_request(lora_name=5)),
-        TypeError,
-        "str",
+        ArgumentTypeError,
+        "lora_name must be a str, got int",
     ),
     "arrival_time nan (duck)": Case(
         lambda s, o: s.add_request(duck_request(arrival_time=float("nan"))),
@@ -337,8 +338,8 @@ CASES: Dict[str, Case] = {
     ),
     "ignore_eos not a bool (duck)": Case(
         lambda s, o: s.add_request(duck_request(ignore_eos="yes")),
-        TypeError,
-        "bool",
+        ArgumentTypeError,
+        "ignore_eos must be a bool, got str",
     ),
     "arrival_time not a number (Request)": Case(
         lambda s, o: s.add_request(Request("a", [1], 4, arrival_time="now")),
@@ -347,8 +348,8 @@ CASES: Dict[str, Case] = {
     ),
     "arrival_time not a number (duck)": Case(
         lambda s, o: s.add_request(duck_request(arrival_time="now")),
-        TypeError,
-        "real number",
+        ArgumentTypeError,
+        "arrival_time must be a number or None, got str",
     ),
     "arrival_time inf (Request)": Case(
         lambda s, o: s.add_request(Request("a", [1], 4, arrival_time=float("inf"))),
@@ -516,8 +517,8 @@ CASES: Dict[str, Case] = {
         lambda s, o: s.update_from_output(
             o, ModelRunnerOutput.from_arrays(o.req_ids, np.array([3, 5]), np.array([1.0, 1.0]))
         ),
-        InvalidArgumentError,
-        "num_sampled_tokens must be a 1-D int32 or int64 array, got ndim=1 dtype=float64",
+        ArgumentTypeError,
+        "num_sampled_tokens must be a 1-D integer array, got ndim=1 dtype=float64",
     ),
     "flat tokens 2-D": Case(
         lambda s, o: s.update_from_output(
@@ -527,7 +528,7 @@ CASES: Dict[str, Case] = {
             ),
         ),
         InvalidArgumentError,
-        "sampled_tokens_flat must be a 1-D int32 or int64 array, got ndim=2",
+        "sampled_tokens_flat must be a 1-D integer array, got ndim=2",
     ),
     "flat token outside int32": Case(
         lambda s, o: s.update_from_output(
@@ -541,8 +542,8 @@ CASES: Dict[str, Case] = {
     ),
     "output is not a SchedulerOutput": Case(
         lambda s, o: s.update_from_output(None, good_output(o)),
-        TypeError,
-        "SchedulerOutput",
+        ArgumentTypeError,
+        "output must be a SchedulerOutput (from schedule()), got NoneType",
     ),
     "runner output is not a ModelRunnerOutput": Case(
         lambda s, o: s.update_from_output(o, object()),
@@ -552,12 +553,12 @@ CASES: Dict[str, Case] = {
     # ---- drafts, finishing, lookups
     "drafts not a dict": Case(
         lambda s, o: s.update_draft_token_ids([("run", [1])]),
-        InvalidArgumentError,
+        ArgumentTypeError,
         "draft token ids must be a dict",
     ),
     "drafts keyed by int": Case(
         lambda s, o: s.update_draft_token_ids({1: [1]}),
-        InvalidArgumentError,
+        ArgumentTypeError,
         "keyed by request id",
     ),
     "drafts longer than K": Case(
@@ -622,7 +623,7 @@ CASES: Dict[str, Case] = {
     ),
     "finish: a list of ints": Case(
         lambda s, o: s.finish_requests([1, 2]),
-        InvalidArgumentError,
+        ArgumentTypeError,
         "request_ids must be a str or an iterable of str",
     ),
     "finish: unknown status": Case(
@@ -632,7 +633,7 @@ CASES: Dict[str, Case] = {
     ),
     "finish: ids not strings": Case(
         lambda s, o: s.finish_requests(123),
-        InvalidArgumentError,
+        ArgumentTypeError,
         "request_ids must be a str or an iterable of str",
     ),
     "block_ids of an unknown id": Case(
@@ -649,6 +650,256 @@ CASES: Dict[str, Case] = {
     "request_status of an unknown id": Case(
         lambda s, o: s.request_status("nope"), UnknownRequestError, "unknown request id"
     ),
+    # ---- bools are not token ids or counts (bool is an int subclass; numpy.bool_ has no
+    # __index__ but must be named as a bool too)
+    "prompt of bools": Case(
+        lambda s, o: s.add_request(Request("b", [True, False], 4)),
+        ArgumentTypeError,
+        "prompt_token_ids[0] must be an int, got the bool True",
+    ),
+    "prompt with a numpy bool": Case(
+        lambda s, o: s.add_request(Request("b", [1, np.True_], 4)),
+        ArgumentTypeError,
+        "prompt_token_ids[1] must be an int, got the bool True",
+    ),
+    "prompt tuple with a bool (duck)": Case(
+        lambda s, o: s.add_request(duck_request(prompt_token_ids=(1, 2, False))),
+        ArgumentTypeError,
+        "prompt_token_ids[2] must be an int, got the bool False",
+    ),
+    "prompt bool array": Case(
+        lambda s, o: s.add_request(Request("b", np.array([True, False]), 4)),
+        ArgumentTypeError,
+        "prompt_token_ids must be a 1-D integer array, got ndim=1 dtype=bool",
+    ),
+    "stop tokens of bools (duck)": Case(
+        lambda s, o: s.add_request(duck_request(stop_token_ids=[False])),
+        ArgumentTypeError,
+        "stop_token_ids[0] must be an int, got the bool False",
+    ),
+    "stop tokens with a numpy bool (Request)": Case(
+        lambda s, o: s.add_request(Request("b", [1], 4, stop_token_ids=[np.False_])),
+        ArgumentTypeError,
+        "stop_token_ids[...] must be an int, got bool",
+    ),
+    "max_tokens numpy bool (Request)": Case(
+        lambda s, o: s.add_request(Request("m", [1], np.True_)),
+        ArgumentTypeError,
+        "max_tokens must be an int, got bool",
+    ),
+    "max_tokens numpy bool (duck)": Case(
+        lambda s, o: s.add_request(duck_request(max_tokens=np.True_)),
+        ArgumentTypeError,
+        "max_tokens must be an int, got the bool True",
+    ),
+    "eos bool (duck)": Case(
+        lambda s, o: s.add_request(duck_request(eos_token_id=True)),
+        ArgumentTypeError,
+        "eos_token_id must be an int, got the bool True",
+    ),
+    "arrival_time bool (duck)": Case(
+        lambda s, o: s.add_request(duck_request(arrival_time=True)),
+        ArgumentTypeError,
+        "arrival_time must be a number or None, got bool",
+    ),
+    "sampled tokens of bools": Case(
+        _apply(None, [[True], [5]]),
+        ArgumentTypeError,
+        "sampled_token_ids[0][0] must be an int, got the bool True",
+    ),
+    "sampled counts bool array": Case(
+        lambda s, o: s.update_from_output(
+            o,
+            ModelRunnerOutput.from_arrays(
+                o.req_ids, np.array([3, 5], dtype=np.int32), np.array([True, True])
+            ),
+        ),
+        ArgumentTypeError,
+        "num_sampled_tokens must be a 1-D integer array, got ndim=1 dtype=bool",
+    ),
+    "draft lists of bools (runner)": Case(
+        _apply(None, [[3, 9], [5, 6]], draft_token_ids=[[1], [True]]),
+        ArgumentTypeError,
+        "draft_token_ids[1][0] must be an int, got the bool True",
+    ),
+    "drafts dict of bools": Case(
+        lambda s, o: s.update_draft_token_ids({"run": [np.True_]}),
+        ArgumentTypeError,
+        'draft_token_ids["run"][0] must be an int, got the bool True',
+    ),
+    "draft arrays of bools": Case(
+        lambda s, o: s.update_draft_token_ids_from_arrays(
+            o, np.array([True]), np.array([0, 1], dtype=np.int32)
+        ),
+        ArgumentTypeError,
+        "draft_tokens must be a 1-D integer array, got ndim=1 dtype=bool",
+    ),
+    # ---- integer arrays of every dtype: values are range-checked
+    "uint64 prompt beyond int32": Case(
+        lambda s, o: s.add_request(Request("t", np.array([1, 2**63], dtype=np.uint64), 4)),
+        InvalidArgumentError,
+        "prompt_token_ids[1] = 9223372036854775808 is outside [0, 2**31 - 1]",
+    ),
+    "uint32 prompt beyond int32": Case(
+        lambda s, o: s.add_request(Request("t", np.array([2**31], dtype=np.uint32), 4)),
+        InvalidArgumentError,
+        "prompt_token_ids[0] = 2147483648 is outside",
+    ),
+    "negative int8 prompt": Case(
+        lambda s, o: s.add_request(Request("t", np.array([4, -1], dtype=np.int8), 4)),
+        InvalidArgumentError,
+        "prompt_token_ids[1] = -1 is outside",
+    ),
+    "negative int16 sampled counts": Case(
+        lambda s, o: s.update_from_output(
+            o,
+            ModelRunnerOutput.from_arrays(
+                o.req_ids, np.array([3], dtype=np.uint8), np.array([2, -1], dtype=np.int16)
+            ),
+        ),
+        InvalidArgumentError,
+        "num_sampled_tokens[1] = -1 is outside",
+    ),
+    "big-endian prompt array": Case(
+        lambda s, o: s.add_request(Request("t", np.array([1, 2], dtype=">i8"), 4)),
+        InvalidArgumentError,
+        "prompt_token_ids must be an integer array in native byte order, got dtype=>i8",
+    ),
+    "prompt token beyond 64 bits": Case(
+        lambda s, o: s.add_request(Request("t", [1, 2**70], 4)),
+        InvalidArgumentError,
+        "prompt_token_ids[1] = 1180591620717411303424 is outside [0, 2**31 - 1]",
+    ),
+    # ---- wrong argument types raise ArgumentTypeError (an InvalidArgumentError and a
+    # TypeError), not the builtin TypeError of PyO3's argument extraction
+    "block_ids of an int id": Case(
+        lambda s, o: s.block_ids(5), ArgumentTypeError, "request_id must be a str, got int"
+    ),
+    "num_computed_tokens of None": Case(
+        lambda s, o: s.num_computed_tokens(None),
+        ArgumentTypeError,
+        "request_id must be a str, got NoneType",
+    ),
+    "num_output_placeholders of an object": Case(
+        lambda s, o: s.num_output_placeholders(object()),
+        ArgumentTypeError,
+        "request_id must be a str, got object",
+    ),
+    "all_token_ids of bytes": Case(
+        lambda s, o: s.all_token_ids(b"run"),
+        ArgumentTypeError,
+        "request_id must be a str, got bytes",
+    ),
+    "request_status of a list": Case(
+        lambda s, o: s.request_status(["run"]),
+        ArgumentTypeError,
+        "request_id must be a str, got list",
+    ),
+    "has_request of a float": Case(
+        lambda s, o: s.has_request(1.5), ArgumentTypeError, "request_id must be a str, got float"
+    ),
+    "request_id with a lone surrogate": Case(
+        lambda s, o: s.block_ids("\ud800"),
+        InvalidArgumentError,
+        "request_id is not valid text (it holds a lone surrogate)",
+    ),
+    "finish: status not a str": Case(
+        lambda s, o: s.finish_requests(["run"], status=3),
+        ArgumentTypeError,
+        "a str argument must be a str, got int",
+    ),
+    "finish: a None among the ids": Case(
+        lambda s, o: s.finish_requests(["run", None]),
+        ArgumentTypeError,
+        "request_ids must be a str or an iterable of str",
+    ),
+    "update_from_output_arrays: output is a dict": Case(
+        lambda s, o: s.update_from_output_arrays({}, good_output(o)),
+        ArgumentTypeError,
+        "output must be a SchedulerOutput (from schedule()), got dict",
+    ),
+    "draft arrays: output is a str": Case(
+        lambda s, o: s.update_draft_token_ids_from_arrays(
+            "o", np.array([1], dtype=np.int32), np.array([0, 1], dtype=np.int32)
+        ),
+        ArgumentTypeError,
+        "output must be a SchedulerOutput (from schedule()), got str",
+    ),
+    "draft arrays: tokens None": Case(
+        lambda s, o: s.update_draft_token_ids_from_arrays(o, None, np.array([0, 0])),
+        ArgumentTypeError,
+        "draft_tokens must be a sequence of ints or a 1-D integer array, got NoneType",
+    ),
+    "pause state not a str": Case(
+        lambda s, o: s.set_pause_state(1), ArgumentTypeError, "pause state must be"
+    ),
+    "reset_prefix_cache flag not a bool": Case(
+        lambda s, o: s.reset_prefix_cache("yes"),
+        ArgumentTypeError,
+        "reset_running_requests must be a bool, got str",
+    ),
+    "preempt_all_running flag not a bool": Case(
+        lambda s, o: s.preempt_all_running(drop_stale_outputs=None),
+        ArgumentTypeError,
+        "drop_stale_outputs must be a bool, got NoneType",
+    ),
+    "runner drafts not iterable": Case(
+        _apply(None, [[3, 9], [5, 6]], draft_token_ids=5),
+        ArgumentTypeError,
+        "draft_token_ids must be a sequence of token lists (one per request) or None",
+    ),
+    "runner output without draft_token_ids (duck)": Case(
+        lambda s, o: s.update_from_output(
+            o,
+            SimpleNamespace(
+                req_ids=list(o.req_ids), sampled_tokens_flat=None, sampled_token_ids=good_sampled(o)
+            ),
+        ),
+        InvalidArgumentError,
+        "runner_output must be a ModelRunnerOutput (it has no draft_token_ids)",
+    ),
+    "runner output without samples (duck)": Case(
+        lambda s, o: s.update_from_output(o, SimpleNamespace(req_ids=list(o.req_ids))),
+        InvalidArgumentError,
+        "runner_output must be a ModelRunnerOutput (it has no sampled_tokens_flat)",
+    ),
+    "flat tokens a str": Case(
+        lambda s, o: s.update_from_output(
+            o, ModelRunnerOutput.from_arrays(o.req_ids, "ab", np.array([1, 1]))
+        ),
+        ArgumentTypeError,
+        "sampled_tokens_flat must be a sequence of ints, not a string",
+    ),
+    "sampled entry a dict": Case(
+        _apply(None, [{"a": 1}, [5]]),
+        ArgumentTypeError,
+        "sampled_token_ids[0] must be a sequence of ints or a 1-D integer array, got dict",
+    ),
+    "stop_token_ids None (Request)": Case(
+        lambda s, o: s.add_request(Request("t", [1], 4, stop_token_ids=None)),
+        ArgumentTypeError,
+        "stop_token_ids must be a sequence of ints, got NoneType",
+    ),
+    "stop_token_ids an int (duck)": Case(
+        lambda s, o: s.add_request(duck_request(stop_token_ids=7)),
+        ArgumentTypeError,
+        "stop_token_ids must be a sequence of ints or a 1-D integer array, got int",
+    ),
+    "priority a float (duck)": Case(
+        lambda s, o: s.add_request(duck_request(priority=1.5)),
+        ArgumentTypeError,
+        "priority must be an int, got float",
+    ),
+    "cache_salt bytes (duck)": Case(
+        lambda s, o: s.add_request(duck_request(cache_salt=b"salt")),
+        ArgumentTypeError,
+        "cache_salt must be a str, got bytes",
+    ),
+    "request_id not a str (Request)": Case(
+        lambda s, o: s.add_request(Request(None, [1], 4)),
+        ArgumentTypeError,
+        "request_id must be a non-empty string, got NoneType",
+    ),
 }
 
 
@@ -663,8 +914,7 @@ def test_bad_input_changes_nothing(name: str) -> None:
     before = snapshot(sched)
     with pytest.raises(case.error, match=re.escape(case.fragment)) as info:
         case.call(sched, out)
-    if case.error is not TypeError:
-        assert isinstance(info.value, DFlashRsError)
+    assert isinstance(info.value, DFlashRsError)
     assert snapshot(sched) == before
     sched.check_invariants()
     if pending:
@@ -801,6 +1051,12 @@ def _config_fields(**overrides: Any) -> SimpleNamespace:
         "lookahead_policy": "correct",
     }
     fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def _config_without(name: str) -> SimpleNamespace:
+    fields = vars(_config_fields())
+    del fields[name]
     return SimpleNamespace(**fields)
 
 
@@ -1079,14 +1335,177 @@ CONFIG_CASES: Dict[str, Tuple[Callable[[], Any], Type[BaseException], str]] = {
         InvalidArgumentError,
         "num_speculative_tokens must be 0 without a speculative method",
     ),
+    "num_blocks numpy bool": (
+        lambda: SchedulerConfig(np.True_),
+        ArgumentTypeError,
+        "num_blocks must be an int, got bool",
+    ),
+    "K numpy bool": (
+        lambda: SpeculativeConfig("dflash", np.True_),
+        ArgumentTypeError,
+        "num_speculative_tokens must be an int, got bool",
+    ),
+    "block_size float (wrong type)": (
+        lambda: SchedulerConfig(10, block_size=16.0),
+        ArgumentTypeError,
+        "block_size must be an int, got float",
+    ),
+    "enable_prefix_caching not a bool (wrong type)": (
+        lambda: SchedulerConfig(10, enable_prefix_caching="no"),
+        ArgumentTypeError,
+        "enable_prefix_caching must be a bool, got str",
+    ),
+    "num_blocks str (duck)": (
+        lambda: Scheduler(_config_fields(num_blocks="20")),
+        ArgumentTypeError,
+        "config.num_blocks must be an int, got str",
+    ),
+    "draft_slots_per_request bool (duck)": (
+        lambda: Scheduler(_config_fields(draft_slots_per_request=True)),
+        ArgumentTypeError,
+        "config.draft_slots_per_request must be an int, got the bool True",
+    ),
+    "verify_prefix_hits str (duck)": (
+        lambda: Scheduler(_config_fields(verify_prefix_hits="yes")),
+        ArgumentTypeError,
+        "config.verify_prefix_hits must be a bool, got str",
+    ),
+    "vllm_semantics float (duck)": (
+        lambda: Scheduler(_config_fields(vllm_semantics=0.33)),
+        ArgumentTypeError,
+        "config.vllm_semantics must be a str, got float",
+    ),
+    "policy None (duck)": (
+        lambda: Scheduler(_config_fields(policy=None)),
+        ArgumentTypeError,
+        "config.policy has the wrong type (NoneType)",
+    ),
+    "no speculative attribute (duck)": (
+        lambda: Scheduler(_config_without("speculative")),
+        InvalidArgumentError,
+        'config has no attribute "speculative"',
+    ),
+    "K str (duck)": (
+        lambda: Scheduler(
+            _config_fields(speculative=SimpleNamespace(method="dflash", num_speculative_tokens="3"))
+        ),
+        ArgumentTypeError,
+        "config.speculative.num_speculative_tokens must be an int, got str",
+    ),
+    "method an int (duck)": (
+        lambda: Scheduler(
+            _config_fields(speculative=SimpleNamespace(method=3, num_speculative_tokens=3))
+        ),
+        ArgumentTypeError,
+        "config.speculative.method must be a str, got int",
+    ),
+    "speculative without K (duck)": (
+        lambda: Scheduler(_config_fields(speculative=SimpleNamespace(method="dflash"))),
+        InvalidArgumentError,
+        'config.speculative has no attribute "num_speculative_tokens"',
+    ),
+    "hash_seed bool": (
+        lambda: Scheduler(SchedulerConfig(10, hash_seed=True)),
+        ArgumentTypeError,
+        "hash_seed must be str, bytes, int or None, got bool",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(CONFIG_CASES))
 def test_bad_config(name: str) -> None:
     make, error, fragment = CONFIG_CASES[name]
-    with pytest.raises(error, match=re.escape(fragment)):
+    with pytest.raises(error, match=re.escape(fragment)) as info:
         make()
+    assert isinstance(info.value, DFlashRsError)
+
+
+def test_argument_type_error_is_a_type_error() -> None:
+    """Callers catching the builtin TypeError (as for PyO3's own argument errors) keep working."""
+    assert issubclass(ArgumentTypeError, InvalidArgumentError)
+    assert issubclass(ArgumentTypeError, TypeError)
+    sched, _ = populated()
+    with pytest.raises(TypeError):
+        sched.block_ids(5)
+    with pytest.raises(ValueError):
+        sched.block_ids(5)
+
+
+_INT_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+
+
+def test_numpy_integer_scalars_are_ints() -> None:
+    """Wherever an int goes, a numpy integer scalar is accepted (and stored as an int)."""
+    config = SchedulerConfig(
+        np.int64(24),
+        block_size=np.int32(4),
+        max_model_len=np.uint16(MML),
+        max_num_seqs=np.uint8(2),
+        max_num_batched_tokens=np.int16(64),
+        draft_slots_per_request=np.uint32(0),
+        speculative=SpeculativeConfig("dflash", np.int8(3)),
+    )
+    assert type(config.num_blocks) is int and config.num_blocks == 24
+    assert type(config.speculative.num_speculative_tokens) is int
+    sched = Scheduler(config)
+    request = Request(
+        "run",
+        [np.int32(1), np.uint64(2), 3],
+        np.int32(20),
+        eos_token_id=np.int64(7),
+        stop_token_ids=np.array([8, 9], dtype=np.uint16),
+        min_tokens=np.uint8(1),
+        priority=np.int16(-3),
+    )
+    assert [type(v) for v in (request.max_tokens, request.eos_token_id, request.priority)] == [
+        int
+    ] * 3
+    assert request.stop_token_ids == (8, 9) and type(request.stop_token_ids[0]) is int
+    sched.add_request(request)
+    # The bindings read a duck request's numpy fields too.
+    sched.add_request(
+        duck_request(request_id="run2", max_tokens=np.uint32(20), priority=np.int8(1))
+    )
+    duck = Scheduler(_config_fields(num_blocks=np.int64(20), block_size=np.uint8(16)))
+    assert duck.num_free_blocks == 19
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"run": 3, "run2": 3}
+    sched.update_from_output(out, ModelRunnerOutput(out.req_ids, [[np.int64(4)], [np.uint8(5)]]))
+    assert sched.update_draft_token_ids({"run": [np.int32(6), np.uint16(7)]}) == 1
+    assert sched.all_token_ids("run") == [1, 2, 3, 4]
+    assert sched.schedule().scheduled_spec_decode_tokens == {"run": [6, 7]}
+    sched.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", _INT_DTYPES)
+def test_integer_arrays_of_every_dtype(dtype: str) -> None:
+    """Prompts, flat sampled tokens with their counts and draft arrays take every integer dtype
+    and read the same values as from lists; strided views are read by value."""
+    by_array = make_scheduler(24, method="dflash", k=3, block_size=4, max_model_len=MML)
+    by_list = make_scheduler(24, method="dflash", k=3, block_size=4, max_model_len=MML)
+    prompt = np.arange(20, dtype=dtype)[::2]  # strided: not a contiguous slice
+    by_array.add_request(Request("a", prompt, 8, stop_token_ids=np.array([99], dtype=dtype)))
+    by_list.add_request(Request("a", prompt.tolist(), 8, stop_token_ids=[99]))
+    for sched in (by_array, by_list):
+        out = sched.schedule()
+        if sched is by_array:
+            runner = ModelRunnerOutput.from_arrays(
+                out.req_ids, np.array([5], dtype=dtype), np.array([1], dtype=dtype)
+            )
+        else:
+            runner = ModelRunnerOutput(out.req_ids, [[5]])
+        sched.update_from_output(out, runner)
+    assert by_array.all_token_ids("a") == by_list.all_token_ids("a") == [*range(0, 20, 2), 5]
+    out = by_array.schedule()
+    assert (
+        by_array.update_draft_token_ids_from_arrays(
+            out, np.array([1, 2], dtype=dtype), np.array([2], dtype=dtype)
+        )
+        == 1
+    )
+    by_array.update_from_output(out, ModelRunnerOutput(out.req_ids, [[6]]))
+    assert by_array.schedule().scheduled_spec_decode_tokens == {"a": [1, 2]}
+    by_array.check_invariants()
 
 
 def test_prompt_larger_than_the_pool_changes_nothing() -> None:

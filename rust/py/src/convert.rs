@@ -1,50 +1,111 @@
-//! Argument conversion with clear errors: token id sequences and non-negative counts.
+//! Argument conversion with clear errors: token id sequences, ints, bools and strs.
+//!
+//! A value of the wrong type raises `ArgumentTypeError` (an `InvalidArgumentError` that is also
+//! a `TypeError`); a value of the right type but out of range raises `InvalidArgumentError`.
+//! Anything with `__index__` (a numpy integer scalar) counts as an int, except `bool` and
+//! `numpy.bool_`.
 
-use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
+use std::borrow::Cow;
+use std::fmt::Display;
+use std::ops::Deref;
+
+use numpy::{
+    Element, PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyList};
-use std::fmt::Display;
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
-use crate::errors::{invalid, unless_fatal};
+use crate::errors::{invalid, type_name, unless_fatal, wrong_type};
+use crate::outputs::PySchedulerOutput;
 
 /// Largest token id accepted (token ids are int32 on the GPU side).
 pub const MAX_TOKEN_ID: i64 = i32::MAX as i64;
+
+#[cold]
+fn token_out_of_range(py: Python<'_>, what: impl Display, i: usize, t: impl Display) -> PyErr {
+    invalid(py, format!("{what}[{i}] = {t} is outside [0, 2**31 - 1]"))
+}
 
 fn check_token(py: Python<'_>, what: impl Display, i: usize, t: i64) -> PyResult<u32> {
     if (0..=MAX_TOKEN_ID).contains(&t) {
         Ok(t as u32)
     } else {
-        Err(invalid(
-            py,
-            format!("{what}[{i}] = {t} is outside [0, 2**31 - 1]"),
-        ))
+        Err(token_out_of_range(py, what, i, t))
+    }
+}
+
+/// An element type of a numpy integer array that token ids are read from.
+trait TokenValue: Element + Copy + Display {
+    fn is_token(self) -> bool;
+    /// The value as a token id; only called on values for which `is_token` holds.
+    fn to_token(self) -> u32;
+}
+
+macro_rules! token_value_up_to_64_bits {
+    ($($t:ty),*) => {$(
+        impl TokenValue for $t {
+            #[inline]
+            fn is_token(self) -> bool {
+                (0..=MAX_TOKEN_ID).contains(&i64::from(self))
+            }
+            #[inline]
+            fn to_token(self) -> u32 {
+                i64::from(self) as u32
+            }
+        }
+    )*};
+}
+token_value_up_to_64_bits!(i8, i16, i32, i64, u8, u16, u32);
+
+impl TokenValue for u64 {
+    #[inline]
+    fn is_token(self) -> bool {
+        self <= MAX_TOKEN_ID as u64
+    }
+    #[inline]
+    fn to_token(self) -> u32 {
+        self as u32
     }
 }
 
 /// Converts checked token values; the fast path is one vectorisable pass over a slice.
-fn tokens_from_slice<T: Copy + Into<i64>>(
+fn tokens_from_slice<T: TokenValue>(
     py: Python<'_>,
     what: impl Display,
     values: &[T],
     capacity: impl Fn(usize) -> usize,
 ) -> PyResult<Vec<u32>> {
-    let in_range = |t: &T| (0..=MAX_TOKEN_ID).contains(&(*t).into());
     // A fold without early exit: `all` stops at the first failure, which keeps it scalar.
-    if values.iter().fold(true, |ok, t| ok & in_range(t)) {
+    if values.iter().fold(true, |ok, t| ok & t.is_token()) {
         let mut tokens = Vec::with_capacity(capacity(values.len()));
-        tokens.extend(values.iter().map(|&t| t.into() as u32));
+        tokens.extend(values.iter().map(|&t| t.to_token()));
         return Ok(tokens);
     }
     let (i, &bad) = values
         .iter()
         .enumerate()
-        .find(|(_, t)| !in_range(t))
+        .find(|(_, t)| !t.is_token())
         .expect("a value is out of range");
-    Err(check_token(py, what, i, bad.into()).unwrap_err())
+    Err(token_out_of_range(py, what, i, bad))
 }
 
-/// Extracts token ids from a list/tuple of ints or a 1-D int32/int64 numpy array. `what` names
+/// Tokens of a 1-D array of element type `T`, or None when `arr` holds another type (or is
+/// not 1-D, or not in native byte order).
+fn tokens_from_array<T: TokenValue>(
+    arr: &Bound<'_, PyUntypedArray>,
+    what: impl Display,
+    capacity: impl Fn(usize) -> usize,
+) -> Option<PyResult<Vec<u32>>> {
+    let arr = arr.extract::<PyReadonlyArray1<'_, T>>().ok()?;
+    let py = arr.py();
+    Some(match arr.as_slice() {
+        Ok(slice) => tokens_from_slice(py, what, slice, capacity),
+        Err(_) => tokens_from_slice(py, what, &arr.as_array().to_vec(), capacity),
+    })
+}
+
+/// Extracts token ids from a list/tuple of ints or a 1-D numpy integer array. `what` names
 /// the argument in error messages; it is only formatted on an error (pass `format_args!`).
 pub fn token_ids(obj: &Bound<'_, PyAny>, what: impl Display + Copy) -> PyResult<Vec<u32>> {
     token_ids_with_capacity(obj, what, |len| len)
@@ -62,50 +123,136 @@ pub fn token_ids_with_capacity(
         // The common case from Python (one list per request): no numpy type checks first.
         let mut values = Vec::with_capacity(capacity(list.len()));
         for item in list.iter() {
-            let t: i64 = item
-                .extract()
-                .map_err(|e| unless_fatal(py, e, || not_a_sequence(py, what)))?;
-            values.push(check_token(py, what, values.len(), t)?);
+            values.push(token_item(what, values.len(), &item)?);
         }
         return Ok(values);
     }
-    if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
-        return match arr.as_slice() {
-            Ok(slice) => tokens_from_slice(py, what, slice, &capacity),
-            Err(_) => tokens_from_slice(py, what, &arr.as_array().to_vec(), &capacity),
-        };
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        return tokens_from_any_array(arr, what, capacity);
     }
-    if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
-        return match arr.as_slice() {
-            Ok(slice) => tokens_from_slice(py, what, slice, &capacity),
-            Err(_) => tokens_from_slice(py, what, &arr.as_array().to_vec(), &capacity),
-        };
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        let mut values = Vec::with_capacity(capacity(tuple.len()));
+        for item in tuple.iter() {
+            values.push(token_item(what, values.len(), &item)?);
+        }
+        return Ok(values);
     }
-    if let Ok(arr) = obj.cast::<numpy::PyUntypedArray>() {
-        return Err(invalid(
-            py,
-            format!(
-                "{what} must be a 1-D int32 or int64 array, got ndim={} dtype={}",
-                arr.ndim(),
-                arr.dtype()
-            ),
-        ));
-    }
-    if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>()
-    {
-        return Err(invalid(
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(wrong_type(
             py,
             format!("{what} must be a sequence of ints, not a string"),
         ));
     }
-    let values: Vec<i64> = obj
+    // Any other sequence; its items are read as from a list.
+    let items: Vec<Bound<'_, PyAny>> = obj
         .extract()
-        .map_err(|e| unless_fatal(py, e, || not_a_sequence(py, what)))?;
-    values
-        .iter()
-        .enumerate()
-        .map(|(i, &t)| check_token(py, what, i, t))
-        .collect()
+        .map_err(|e| unless_fatal(py, e, || not_a_sequence(py, what, obj)))?;
+    let mut values = Vec::with_capacity(capacity(items.len()));
+    for item in &items {
+        values.push(token_item(what, values.len(), item)?);
+    }
+    Ok(values)
+}
+
+/// The int32 and int64 arrays engines pass are read in place; the other integer dtypes too,
+/// through the same checked pass.
+fn tokens_from_any_array(
+    arr: &Bound<'_, PyUntypedArray>,
+    what: impl Display + Copy,
+    capacity: impl Fn(usize) -> usize,
+) -> PyResult<Vec<u32>> {
+    let cap = &capacity;
+    tokens_from_array::<i32>(arr, what, cap)
+        .or_else(|| tokens_from_array::<i64>(arr, what, cap))
+        .or_else(|| tokens_from_array::<u32>(arr, what, cap))
+        .or_else(|| tokens_from_array::<u64>(arr, what, cap))
+        .or_else(|| tokens_from_array::<i16>(arr, what, cap))
+        .or_else(|| tokens_from_array::<u16>(arr, what, cap))
+        .or_else(|| tokens_from_array::<i8>(arr, what, cap))
+        .or_else(|| tokens_from_array::<u8>(arr, what, cap))
+        .unwrap_or_else(|| Err(not_a_token_array(arr, what)))
+}
+
+#[cold]
+fn not_a_token_array(arr: &Bound<'_, PyUntypedArray>, what: impl Display) -> PyErr {
+    let py = arr.py();
+    let dtype = arr.dtype();
+    let (ndim, kind) = (arr.ndim(), dtype.kind());
+    if kind != b'i' && kind != b'u' {
+        wrong_type(
+            py,
+            format!("{what} must be a 1-D integer array, got ndim={ndim} dtype={dtype}"),
+        )
+    } else if ndim != 1 {
+        invalid(
+            py,
+            format!("{what} must be a 1-D integer array, got ndim={ndim} dtype={dtype}"),
+        )
+    } else {
+        // Read as is, a big-endian 256 would be 65536.
+        invalid(
+            py,
+            format!("{what} must be an integer array in native byte order, got dtype={dtype}"),
+        )
+    }
+}
+
+/// One token of a list or tuple: the fast path is an exact `int` (never a `bool`).
+#[inline]
+fn token_item(what: impl Display, i: usize, item: &Bound<'_, PyAny>) -> PyResult<u32> {
+    if item.is_exact_instance_of::<PyInt>() {
+        if let Ok(t) = item.extract::<i64>() {
+            return check_token(item.py(), what, i, t);
+        }
+    }
+    token_item_slow(what, i, item)
+}
+
+/// A token that is not a 64-bit exact `int`: a numpy integer, an int subclass, a huge int, or
+/// something that is no int at all.
+#[cold]
+fn token_item_slow(what: impl Display, i: usize, item: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let py = item.py();
+    if is_bool(item) {
+        return Err(wrong_type(
+            py,
+            format!("{what}[{i}] must be an int, got the bool {item}"),
+        ));
+    }
+    match item.extract::<i64>() {
+        Ok(t) => check_token(py, what, i, t),
+        Err(e) if e.is_instance_of::<PyOverflowError>(py) => {
+            Err(token_out_of_range(py, what, i, item))
+        }
+        Err(e) => Err(unless_fatal(py, e, || {
+            wrong_type(
+                py,
+                format!(
+                    "{what} must be a sequence of ints or a 1-D integer array; \
+                     {what}[{i}] is a {}",
+                    type_name(item)
+                ),
+            )
+        })),
+    }
+}
+
+#[cold]
+fn not_a_sequence(py: Python<'_>, what: impl Display, obj: &Bound<'_, PyAny>) -> PyErr {
+    wrong_type(
+        py,
+        format!(
+            "{what} must be a sequence of ints or a 1-D integer array, got {}",
+            type_name(obj)
+        ),
+    )
+}
+
+/// Whether `obj` is a `bool` or a `numpy.bool_` (which an int argument refuses).
+fn is_bool(obj: &Bound<'_, PyAny>) -> bool {
+    obj.is_instance_of::<PyBool>()
+        || (!obj.is_instance_of::<PyInt>()
+            && obj.get_type().is(numpy::dtype::<bool>(obj.py()).typeobj()))
 }
 
 /// A Python int argument (a count, a length, a block id). Unlike a plain `i64` it rejects
@@ -122,18 +269,28 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int {
     }
 }
 
-fn not_a_sequence(py: Python<'_>, what: impl Display) -> PyErr {
-    invalid(
-        py,
-        format!("{what} must be a sequence of ints or a 1-D integer array"),
-    )
+impl From<Int> for i64 {
+    fn from(v: Int) -> i64 {
+        v.0
+    }
 }
 
-/// Extracts a Python int named `what` for messages (see [`Int`]).
+/// Extracts a Python int (or anything with `__index__` but a bool) named `what` for messages
+/// (see [`Int`]).
 pub fn int_named(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        if let Ok(v) = obj.extract::<i64>() {
+            return Ok(v);
+        }
+    }
+    int_named_slow(obj, what)
+}
+
+#[cold]
+fn int_named_slow(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
     let py = obj.py();
-    if obj.is_instance_of::<PyBool>() {
-        return Err(invalid(
+    if is_bool(obj) {
+        return Err(wrong_type(
             py,
             format!("{what} must be an int, got the bool {obj}"),
         ));
@@ -144,13 +301,9 @@ pub fn int_named(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
             py,
             format!("{what} = {obj} is out of range: integers must lie in [-2**63, 2**63 - 1]"),
         )),
-        Err(e) => Err(e),
-    }
-}
-
-impl From<Int> for i64 {
-    fn from(v: Int) -> i64 {
-        v.0
+        Err(e) => Err(unless_fatal(py, e, || {
+            wrong_type(py, format!("{what} must be an int, got {}", type_name(obj)))
+        })),
     }
 }
 
@@ -173,17 +326,90 @@ pub fn positive(py: Python<'_>, what: &str, value: impl Into<i64>) -> PyResult<u
 pub fn strict_bool(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<bool> {
     match obj.cast::<PyBool>() {
         Ok(b) => Ok(b.is_true()),
-        Err(_) => {
-            let type_name = obj
-                .get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_else(|_| "?".to_owned());
-            Err(invalid(
-                obj.py(),
-                format!("{what} must be a bool, got {type_name}"),
-            ))
-        }
+        Err(_) => Err(wrong_type(
+            obj.py(),
+            format!("{what} must be a bool, got {}", type_name(obj)),
+        )),
+    }
+}
+
+/// A bool argument (see [`strict_bool`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Flag(pub bool);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Flag {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        strict_bool(&obj, "a bool argument").map(Flag)
+    }
+}
+
+/// A `str` named `what` for messages.
+pub fn str_named<'a>(obj: Borrowed<'a, '_, PyAny>, what: &str) -> PyResult<Cow<'a, str>> {
+    obj.extract::<Cow<'a, str>>()
+        .map_err(|e| not_a_str(&obj, what, e))
+}
+
+#[cold]
+fn not_a_str(obj: &Bound<'_, PyAny>, what: &str, err: PyErr) -> PyErr {
+    let py = obj.py();
+    if obj.is_instance_of::<PyString>() {
+        unless_fatal(py, err, || {
+            invalid(
+                py,
+                format!("{what} is not valid text (it holds a lone surrogate)"),
+            )
+        })
+    } else {
+        wrong_type(py, format!("{what} must be a str, got {}", type_name(obj)))
+    }
+}
+
+/// An optional `str` named `what` (None stays None).
+pub fn opt_str_named(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<String>> {
+    match obj {
+        Some(obj) if !obj.is_none() => Ok(Some(str_named(obj.as_borrowed(), what)?.into_owned())),
+        _ => Ok(None),
+    }
+}
+
+/// A `str` argument (a name or a status).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Text<'a>(pub Cow<'a, str>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Text<'a> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        str_named(obj, "a str argument").map(Text)
+    }
+}
+
+impl Deref for Text<'_> {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A request id argument: a `str`.
+pub struct RequestId<'a>(Cow<'a, str>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for RequestId<'a> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        str_named(obj, "request_id").map(RequestId)
+    }
+}
+
+impl Deref for RequestId<'_> {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
     }
 }
 
@@ -193,4 +419,32 @@ pub fn request_id(py: Python<'_>, id: &str) -> PyResult<()> {
         return Err(invalid(py, "request_id must be a non-empty string"));
     }
     Ok(())
+}
+
+/// A `SchedulerOutput` argument.
+pub struct OutputArg<'a, 'py>(Borrowed<'a, 'py, PySchedulerOutput>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for OutputArg<'a, 'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.cast::<PySchedulerOutput>() {
+            Ok(output) => Ok(OutputArg(output)),
+            Err(_) => Err(wrong_type(
+                obj.py(),
+                format!(
+                    "output must be a SchedulerOutput (from schedule()), got {}",
+                    type_name(&obj)
+                ),
+            )),
+        }
+    }
+}
+
+impl<'py> Deref for OutputArg<'_, 'py> {
+    type Target = Bound<'py, PySchedulerOutput>;
+
+    fn deref(&self) -> &Bound<'py, PySchedulerOutput> {
+        &self.0
+    }
 }

@@ -48,13 +48,30 @@ pub fn invalid(py: Python<'_>, message: impl Into<String>) -> PyErr {
     py_error(py, "InvalidArgumentError", message.into())
 }
 
-/// `err` itself where it must reach the caller unchanged, else `typed()`: a conversion that
-/// failed because Python raised `KeyboardInterrupt`, `SystemExit` (any `BaseException` that is
-/// not an `Exception`) or `MemoryError` re-raises it instead of reporting a bad argument.
+/// An `ArgumentTypeError` (an `InvalidArgumentError` that is also a `TypeError`): an argument
+/// of the wrong type.
+pub fn wrong_type(py: Python<'_>, message: impl Into<String>) -> PyErr {
+    py_error(py, "ArgumentTypeError", message.into())
+}
+
+/// The name of `obj`'s type, for messages ("int", "NoneType", "numpy.bool").
+pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".to_owned())
+}
+
+/// `err` itself where it must reach the caller unchanged, else `typed()` with `err` as its
+/// `__cause__`: a conversion that failed because Python raised `KeyboardInterrupt`,
+/// `SystemExit` (any `BaseException` that is not an `Exception`) or `MemoryError` re-raises it
+/// instead of reporting a bad argument.
 pub fn unless_fatal(py: Python<'_>, err: PyErr, typed: impl FnOnce() -> PyErr) -> PyErr {
     if !err.is_instance_of::<PyException>(py) || err.is_instance_of::<PyMemoryError>(py) {
         err
     } else {
-        typed()
+        let typed = typed();
+        typed.set_cause(py, Some(err));
+        typed
     }
 }

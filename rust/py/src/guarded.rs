@@ -10,7 +10,7 @@
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock, TryLockError};
 
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
@@ -82,6 +82,19 @@ impl<T> Guarded<T> {
                 }
                 Err(err)
             }
+        }
+    }
+}
+
+impl<T> Guarded<T> {
+    /// Runs `f` on the state unless a call holds it now: never blocks and takes no GIL, for
+    /// the garbage collector's `__traverse__` and `__clear__`, which must not wait (a call of
+    /// this thread may hold the state while it allocates, which can start a collection).
+    pub fn try_peek<R>(&self, f: impl FnOnce(&mut T) -> R) -> Option<R> {
+        match self.state.try_lock() {
+            Ok(mut guard) => Some(f(&mut guard)),
+            Err(TryLockError::Poisoned(poisoned)) => Some(f(&mut poisoned.into_inner())),
+            Err(TryLockError::WouldBlock) => None,
         }
     }
 }

@@ -2,9 +2,9 @@
 
 use dflash_core::{BlockHasher, HashAlgo};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyString};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyString};
 
-use crate::errors::{invalid, IntoPyResult};
+use crate::errors::{invalid, type_name, wrong_type, IntoPyResult};
 
 /// The root seed: the given `hash_seed` (str, bytes or int), else `PYTHONHASHSEED` as vLLM does,
 /// else 32 random bytes from the OS (hashes then differ between processes).
@@ -16,10 +16,26 @@ pub fn seed_bytes(py: Python<'_>, hash_seed: Option<&Bound<'_, PyAny>>) -> PyRes
         if let Ok(b) = seed.cast::<PyBytes>() {
             return Ok(b.as_bytes().to_vec());
         }
-        if seed.is_instance_of::<PyInt>() {
-            return Ok(seed.str()?.to_cow()?.as_bytes().to_vec());
+        if !seed.is_instance_of::<PyBool>() {
+            // An int, or a numpy integer (its `__index__`): the seed is its decimal digits.
+            let int = if seed.is_exact_instance_of::<PyInt>() {
+                Some(seed.clone())
+            } else if seed.hasattr("__index__")? {
+                Some(seed.call_method0("__index__")?)
+            } else {
+                None
+            };
+            if let Some(int) = int.filter(|i| i.is_instance_of::<PyInt>()) {
+                return Ok(int.str()?.to_cow()?.as_bytes().to_vec());
+            }
         }
-        return Err(invalid(py, "hash_seed must be str, bytes, int or None"));
+        return Err(wrong_type(
+            py,
+            format!(
+                "hash_seed must be str, bytes, int or None, got {}",
+                type_name(seed)
+            ),
+        ));
     }
     if let Ok(env) = std::env::var("PYTHONHASHSEED") {
         if !env.is_empty() && env != "random" {

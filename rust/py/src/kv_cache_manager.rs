@@ -7,8 +7,9 @@ use dflash_core::{BlockHash, BlockHasher, CoreError, ExtraKeys, KvCacheManager};
 use hashbrown::HashMap;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use std::borrow::Cow;
 
-use crate::convert::{non_negative, positive, Int};
+use crate::convert::{non_negative, opt_str_named, positive, Flag, Int, RequestId, Text};
 use crate::errors::{invalid, to_py, IntoPyResult};
 use crate::hash_config::make_hasher;
 
@@ -31,7 +32,7 @@ impl ManagedRequest {
 }
 
 /// Block pool + prefix cache + lookahead-aware allocation, keyed by request id.
-#[pyclass(module = "dflash_rs._core", name = "KVCacheManager")]
+#[pyclass(module = "dflash_rs._core", name = "KVCacheManager", weakref)]
 pub struct PyKvCacheManager {
     inner: KvCacheManager,
     hasher: BlockHasher,
@@ -74,22 +75,27 @@ impl PyKvCacheManager {
 #[pymethods]
 impl PyKvCacheManager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, max_model_len, enable_prefix_caching=true, hash_algo="sha256", hash_seed=None, verify_prefix_hits=true))]
+    #[pyo3(
+        signature = (num_blocks, block_size, max_model_len, enable_prefix_caching=Flag(true), hash_algo=Text(Cow::Borrowed("sha256")), hash_seed=None, verify_prefix_hits=Flag(true)),
+        text_signature = "(num_blocks, block_size, max_model_len, enable_prefix_caching=True, hash_algo='sha256', hash_seed=None, verify_prefix_hits=True)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         num_blocks: Int,
         block_size: Int,
         max_model_len: Int,
-        enable_prefix_caching: bool,
-        hash_algo: &str,
+        enable_prefix_caching: Flag,
+        hash_algo: Text<'_>,
         hash_seed: Option<&Bound<'_, PyAny>>,
-        verify_prefix_hits: bool,
+        verify_prefix_hits: Flag,
     ) -> PyResult<Self> {
+        let (Flag(enable_prefix_caching), Flag(verify_prefix_hits)) =
+            (enable_prefix_caching, verify_prefix_hits);
         let num_blocks = non_negative(py, "num_blocks", num_blocks)?;
         let block_size = positive(py, "block_size", block_size)?;
         let max_model_len = positive(py, "max_model_len", max_model_len)?;
-        let hasher = make_hasher(py, hash_algo, hash_seed, block_size)?;
+        let hasher = make_hasher(py, &hash_algo, hash_seed, block_size)?;
         let mut inner =
             KvCacheManager::new(num_blocks, block_size, max_model_len, enable_prefix_caching)
                 .py(py)?;
@@ -108,11 +114,14 @@ impl PyKvCacheManager {
     fn add_request(
         &mut self,
         py: Python<'_>,
-        request_id: &str,
+        request_id: RequestId<'_>,
         token_ids: &Bound<'_, PyAny>,
-        lora_name: Option<String>,
-        cache_salt: Option<String>,
+        lora_name: Option<&Bound<'_, PyAny>>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let request_id: &str = &request_id;
+        let lora_name = opt_str_named(lora_name, "lora_name")?;
+        let cache_salt = opt_str_named(cache_salt, "cache_salt")?;
         self.guarded(py, |this| {
             crate::convert::request_id(py, request_id)?;
             if this.requests.contains_key(request_id) {
@@ -158,7 +167,7 @@ impl PyKvCacheManager {
     fn append_token_ids(
         &mut self,
         py: Python<'_>,
-        request_id: &str,
+        request_id: RequestId<'_>,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         self.guarded(py, |this| {
@@ -167,7 +176,7 @@ impl PyKvCacheManager {
             let caching = this.inner.pool().caching_enabled();
             let req = this
                 .requests
-                .get_mut(request_id)
+                .get_mut(&*request_id)
                 .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
             if req.tokens.len() + new_tokens.len() > max_model_len {
                 return Err(to_py(
@@ -192,12 +201,12 @@ impl PyKvCacheManager {
     fn get_computed_blocks(
         &mut self,
         py: Python<'_>,
-        request_id: &str,
+        request_id: RequestId<'_>,
     ) -> PyResult<(Vec<u32>, usize)> {
         self.guarded(py, |this| {
             let req = this
                 .requests
-                .get(request_id)
+                .get(&*request_id)
                 .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
             let hit_tokens = this
                 .inner
@@ -208,28 +217,22 @@ impl PyKvCacheManager {
 
     /// Allocates slots for `num_new_tokens` (+ lookahead); returns the new block ids, or None if
     /// the pool cannot serve it (then nothing changed).
-    #[pyo3(signature = (request_id, num_new_tokens, *, num_computed_tokens, num_new_computed_tokens=Int(0), new_computed_blocks=Vec::new(), num_lookahead_tokens=Int(0), full_sequence_must_fit=false), text_signature = "(self, request_id, num_new_tokens, *, num_computed_tokens, num_new_computed_tokens=0, new_computed_blocks=..., num_lookahead_tokens=0, full_sequence_must_fit=False)")]
+    #[pyo3(signature = (request_id, num_new_tokens, *, num_computed_tokens, num_new_computed_tokens=Int(0), new_computed_blocks=BlockIds(Vec::new()), num_lookahead_tokens=Int(0), full_sequence_must_fit=Flag(false)), text_signature = "(self, request_id, num_new_tokens, *, num_computed_tokens, num_new_computed_tokens=0, new_computed_blocks=..., num_lookahead_tokens=0, full_sequence_must_fit=False)")]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots(
         &mut self,
         py: Python<'_>,
-        request_id: &str,
+        request_id: RequestId<'_>,
         num_new_tokens: Int,
         num_computed_tokens: Int,
         num_new_computed_tokens: Int,
-        new_computed_blocks: Vec<Int>,
+        new_computed_blocks: BlockIds,
         num_lookahead_tokens: Int,
-        full_sequence_must_fit: bool,
+        full_sequence_must_fit: Flag,
     ) -> PyResult<Option<Vec<u32>>> {
+        let (BlockIds(hits), Flag(full_sequence_must_fit)) =
+            (new_computed_blocks, full_sequence_must_fit);
         self.guarded(py, |this| {
-            let hits = new_computed_blocks
-                .iter()
-                .map(|&Int(b)| {
-                    u32::try_from(b).map_err(|_| {
-                        invalid(py, format!("invalid block id {b} in new_computed_blocks"))
-                    })
-                })
-                .collect::<PyResult<Vec<u32>>>()?;
             let args = AllocateArgs {
                 num_new_tokens: non_negative(py, "num_new_tokens", num_new_tokens)?,
                 num_computed_tokens: non_negative(py, "num_computed_tokens", num_computed_tokens)?,
@@ -248,7 +251,7 @@ impl PyKvCacheManager {
             };
             let req = this
                 .requests
-                .get_mut(request_id)
+                .get_mut(&*request_id)
                 .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
             let view = SequenceView {
                 tokens: &req.tokens,
@@ -264,11 +267,11 @@ impl PyKvCacheManager {
     }
 
     /// Releases every block of the request (tail first) and forgets it.
-    fn free(&mut self, py: Python<'_>, request_id: &str) -> PyResult<()> {
+    fn free(&mut self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<()> {
         self.guarded(py, |this| {
             let mut req = this
                 .requests
-                .remove(request_id)
+                .remove(&*request_id)
                 .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
             this.inner.free(&mut req.blocks);
             Ok(())
@@ -276,23 +279,23 @@ impl PyKvCacheManager {
     }
 
     /// Block ids the request holds, in logical order.
-    fn block_ids(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<u32>> {
-        Ok(self.get(py, request_id)?.blocks.block_ids.clone())
+    fn block_ids(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<Vec<u32>> {
+        Ok(self.get(py, &request_id)?.blocks.block_ids.clone())
     }
 
     /// Known tokens of the request.
-    fn num_tokens(&self, py: Python<'_>, request_id: &str) -> PyResult<usize> {
-        Ok(self.get(py, request_id)?.tokens.len())
+    fn num_tokens(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<usize> {
+        Ok(self.get(py, &request_id)?.tokens.len())
     }
 
     /// Chained hashes of the request's full blocks (empty when caching is off).
     fn block_hashes<'py>(
         &self,
         py: Python<'py>,
-        request_id: &str,
+        request_id: RequestId<'_>,
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         Ok(self
-            .get(py, request_id)?
+            .get(py, &request_id)?
             .hashes
             .iter()
             .map(|h| PyBytes::new(py, h))
@@ -300,13 +303,13 @@ impl PyKvCacheManager {
     }
 
     /// Leading blocks of the request registered in the prefix cache.
-    fn num_cached_blocks(&self, py: Python<'_>, request_id: &str) -> PyResult<usize> {
-        Ok(self.get(py, request_id)?.blocks.num_cached_blocks)
+    fn num_cached_blocks(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<usize> {
+        Ok(self.get(py, &request_id)?.blocks.num_cached_blocks)
     }
 
     /// Whether the id is registered.
-    fn has_request(&self, request_id: &str) -> bool {
-        self.requests.contains_key(request_id)
+    fn has_request(&self, request_id: RequestId<'_>) -> bool {
+        self.requests.contains_key(&*request_id)
     }
 
     /// Registered request ids.
@@ -410,6 +413,17 @@ impl PyKvCacheManager {
             self.inner.num_free_blocks(),
             self.requests.len()
         )
+    }
+}
+
+/// The `new_computed_blocks` argument: a sequence (or 1-D integer array) of block ids.
+struct BlockIds(Vec<u32>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for BlockIds {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        crate::convert::token_ids(&obj, "new_computed_blocks").map(BlockIds)
     }
 }
 

@@ -10,23 +10,26 @@ use dflash_core::{
 };
 use numpy::ndarray::{ArrayView1, ArrayView2};
 use numpy::{PyArray1, PyArray2};
+use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyFrozenSet, PyList, PyString, PyTuple};
+use pyo3::PyTraverseError;
+use std::borrow::Cow;
 
-use crate::convert::{strict_bool, token_ids};
-use crate::errors::{invalid, to_py, unless_fatal, IntoPyResult};
+use crate::convert::{strict_bool, token_ids, OutputArg, RequestId, Text};
+use crate::errors::{invalid, to_py, unless_fatal, wrong_type, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::outputs::{
     read_only, LazyParts, PyNewRequestData, PyRequestOutput, PySchedulerOutput, PyUpdateResult,
 };
-use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec};
+use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec, runner_attr};
 
 /// Continuous-batching scheduler with DFlash-safe lookahead allocation.
 ///
 /// Safe to share between Python threads: calls are serialised by an internal lock (see
 /// [`Guarded`]), and the GIL is released around the O(batch) work.
-#[pyclass(module = "dflash_rs._core", name = "Scheduler", frozen)]
+#[pyclass(module = "dflash_rs._core", name = "Scheduler", frozen, weakref)]
 pub struct PyScheduler {
     state: Guarded<State>,
     config: Py<PyAny>,
@@ -204,16 +207,16 @@ impl State {
         py: Python<'_>,
         runner: &Bound<'_, PyAny>,
     ) -> PyResult<(Vec<u32>, Vec<u32>)> {
-        let flat = runner.getattr(intern!(py, "sampled_tokens_flat"))?;
+        let flat = runner_attr(runner, intern!(py, "sampled_tokens_flat"))?;
         if !flat.is_none() {
             let tokens = token_ids(&flat, "sampled_tokens_flat")?;
             let counts = token_ids(
-                &runner.getattr(intern!(py, "num_sampled_tokens"))?,
+                &runner_attr(runner, intern!(py, "num_sampled_tokens"))?,
                 "num_sampled_tokens",
             )?;
             return Ok((tokens, counts));
         }
-        let lists = runner.getattr(intern!(py, "sampled_token_ids"))?;
+        let lists = runner_attr(runner, intern!(py, "sampled_token_ids"))?;
         let mut tokens = Vec::new();
         let mut counts = Vec::new();
         for (i, item) in lists
@@ -368,6 +371,23 @@ impl PyScheduler {
         self.config.clone_ref(py)
     }
 
+    /// Garbage-collector support: the config and the Python objects the state holds. Skips the
+    /// state while a call holds it (the collector then sees fewer references, which can only
+    /// keep objects alive, never free one in use). No `__clear__`: the config is immutable
+    /// here, so a cycle through it is broken where it is mutable (the config's attributes); the
+    /// state holds only strs and tuples of strs, which can close no cycle.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.config)?;
+        self.state
+            .try_peek(|st| {
+                for id in &st.ids {
+                    visit.call(id)?;
+                }
+                visit.call(&st.last_req_ids)
+            })
+            .unwrap_or(Ok(()))
+    }
+
     /// Enqueues a request (hashing its prompt blocks in Rust).
     fn add_request(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let spec = request_spec(request, self.max_model_len)?;
@@ -395,10 +415,10 @@ impl PyScheduler {
     fn update_from_output(
         &self,
         py: Python<'_>,
-        output: &Bound<'_, PySchedulerOutput>,
+        output: OutputArg<'_, '_>,
         runner_output: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyList>> {
-        self.apply_output(py, output, runner_output, |st| st.request_outputs(py))
+        self.apply_output(py, &output, runner_output, |st| st.request_outputs(py))
     }
 
     /// `update_from_output` returning flat arrays (`UpdateResult`) instead of one Python
@@ -406,11 +426,11 @@ impl PyScheduler {
     fn update_from_output_arrays(
         &self,
         py: Python<'_>,
-        output: &Bound<'_, PySchedulerOutput>,
+        output: OutputArg<'_, '_>,
         runner_output: &Bound<'_, PyAny>,
     ) -> PyResult<PyUpdateResult> {
         let slots = &output.get().parts.slots;
-        self.apply_output(py, output, runner_output, |st| {
+        self.apply_output(py, &output, runner_output, |st| {
             PyUpdateResult::build(py, &st.update, slots, |slot| st.id_of(py, slot))
         })
     }
@@ -435,7 +455,7 @@ impl PyScheduler {
     fn update_draft_token_ids_from_arrays(
         &self,
         py: Python<'_>,
-        output: &Bound<'_, PySchedulerOutput>,
+        output: OutputArg<'_, '_>,
         draft_tokens: &Bound<'_, PyAny>,
         num_draft_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
@@ -452,15 +472,18 @@ impl PyScheduler {
 
     /// Finishes requests (default: aborted); unknown or finished ids are ignored. Returns the
     /// ids actually finished.
-    #[pyo3(signature = (request_ids, status="abort"))]
+    #[pyo3(
+        signature = (request_ids, status=Text(Cow::Borrowed("abort"))),
+        text_signature = "(self, request_ids, status='abort')"
+    )]
     fn finish_requests(
         &self,
         py: Python<'_>,
         request_ids: &Bound<'_, PyAny>,
-        status: &str,
+        status: Text<'_>,
     ) -> PyResult<Vec<String>> {
-        let reason = finish_reason_from_name(py, status)?;
-        let not_ids = || invalid(py, "request_ids must be a str or an iterable of str");
+        let reason = finish_reason_from_name(py, &status)?;
+        let not_ids = || wrong_type(py, "request_ids must be a str or an iterable of str");
         let ids: Vec<String> = if let Ok(s) = request_ids.extract::<String>() {
             vec![s]
         } else {
@@ -490,9 +513,9 @@ impl PyScheduler {
     }
 
     /// Whether the id is live (waiting or running).
-    fn has_request(&self, py: Python<'_>, request_id: &str) -> PyResult<bool> {
+    fn has_request(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<bool> {
         self.state
-            .with(py, |st| Ok(st.inner.slot_of(request_id).is_some()))
+            .with(py, |st| Ok(st.inner.slot_of(&request_id).is_some()))
     }
 
     fn has_unfinished_requests(&self, py: Python<'_>) -> PyResult<bool> {
@@ -572,7 +595,7 @@ impl PyScheduler {
     fn set_pause_state(&self, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<()> {
         let name: String = state.extract().map_err(|e| {
             unless_fatal(py, e, || {
-                invalid(
+                wrong_type(
                     py,
                     "pause state must be \"unpaused\", \"paused_new\" or \"paused_all\"",
                 )
@@ -586,36 +609,40 @@ impl PyScheduler {
     }
 
     /// Blocks held by a live request.
-    fn block_ids(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<u32>> {
+    fn block_ids(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<Vec<u32>> {
         self.state.with(py, |st| {
-            Ok(st.live(py, request_id)?.blocks.block_ids.clone())
+            Ok(st.live(py, &request_id)?.blocks.block_ids.clone())
         })
     }
 
     /// Computed tokens of a live request.
-    fn num_computed_tokens(&self, py: Python<'_>, request_id: &str) -> PyResult<usize> {
+    fn num_computed_tokens(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<usize> {
         self.state
-            .with(py, |st| Ok(st.live(py, request_id)?.num_computed_tokens))
+            .with(py, |st| Ok(st.live(py, &request_id)?.num_computed_tokens))
     }
 
     /// Async scheduling: tokens the steps in flight will still add to a live request (sampled
     /// tokens plus drafts), already counted in its computed tokens.
-    fn num_output_placeholders(&self, py: Python<'_>, request_id: &str) -> PyResult<usize> {
+    fn num_output_placeholders(
+        &self,
+        py: Python<'_>,
+        request_id: RequestId<'_>,
+    ) -> PyResult<usize> {
         self.state.with(py, |st| {
-            Ok(st.live(py, request_id)?.num_output_placeholders)
+            Ok(st.live(py, &request_id)?.num_output_placeholders)
         })
     }
 
     /// Known tokens (prompt + outputs) of a live request.
-    fn all_token_ids(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<u32>> {
+    fn all_token_ids(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<Vec<u32>> {
         self.state
-            .with(py, |st| Ok(st.live(py, request_id)?.tokens.clone()))
+            .with(py, |st| Ok(st.live(py, &request_id)?.tokens.clone()))
     }
 
     /// Status of a live request: "waiting", "running" or "preempted".
-    fn request_status(&self, py: Python<'_>, request_id: &str) -> PyResult<&'static str> {
+    fn request_status(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<&'static str> {
         self.state.with(py, |st| {
-            Ok(match st.live(py, request_id)?.status {
+            Ok(match st.live(py, &request_id)?.status {
                 dflash_core::RequestStatus::Waiting => "waiting",
                 dflash_core::RequestStatus::Running => "running",
                 dflash_core::RequestStatus::Preempted => "preempted",
@@ -756,12 +783,21 @@ impl PyScheduler {
         })?;
         State::check_req_ids(py, out, &runner_ids)?;
         let (tokens, counts) = State::sampled_from_runner(py, runner_output)?;
-        let drafts = runner_output.getattr(intern!(py, "draft_token_ids"))?;
+        let drafts = runner_attr(runner_output, intern!(py, "draft_token_ids"))?;
         let draft_lists: Option<Vec<Vec<u32>>> = if drafts.is_none() {
             None
         } else {
             let mut v = Vec::new();
-            for (i, item) in drafts.try_iter()?.enumerate() {
+            let not_lists = || {
+                wrong_type(
+                    py,
+                    "draft_token_ids must be a sequence of token lists (one per request) or None",
+                )
+            };
+            let items = drafts
+                .try_iter()
+                .map_err(|e| unless_fatal(py, e, not_lists))?;
+            for (i, item) in items.enumerate() {
                 v.push(token_ids(&item?, format_args!("draft_token_ids[{i}]"))?);
             }
             if v.len() != counts.len() {
@@ -840,7 +876,7 @@ fn parse_draft_dict(
 ) -> PyResult<Vec<(String, Vec<u32>)>> {
     let dict = drafts
         .cast::<PyDict>()
-        .map_err(|_| invalid(py, "draft token ids must be a dict[str, list[int]]"))?;
+        .map_err(|_| wrong_type(py, "draft token ids must be a dict[str, list[int]]"))?;
     let mut parsed: Vec<(String, Vec<u32>)> = Vec::with_capacity(dict.len());
     // A snapshot of the items: a token's `__index__` may mutate the dict while it is parsed,
     // which would make a live iterator panic.
@@ -848,7 +884,7 @@ fn parse_draft_dict(
         let (k, v) = item.extract::<(Bound<'_, PyAny>, Bound<'_, PyAny>)>()?;
         let id: String = k.extract().map_err(|e| {
             unless_fatal(py, e, || {
-                invalid(py, "draft token ids must be keyed by request id (str)")
+                wrong_type(py, "draft token ids must be keyed by request id (str)")
             })
         })?;
         let tokens = token_ids(&v, format_args!("draft_token_ids[{id:?}]"))?;

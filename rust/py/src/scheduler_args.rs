@@ -7,39 +7,60 @@ use dflash_core::{
 };
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyString;
+use pyo3::types::{PyBool, PyString};
 
-use crate::convert::{int_named, non_negative, token_ids, token_ids_with_capacity, Int};
-use crate::errors::{invalid, unless_fatal, IntoPyResult};
+use crate::convert::{
+    int_named, non_negative, opt_str_named, str_named, token_ids, token_ids_with_capacity, Int,
+};
+use crate::errors::{invalid, type_name, unless_fatal, wrong_type, IntoPyResult};
 
-fn attr<'py, T: FromPyObjectOwned<'py>>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<T> {
+/// `obj.name`, or `InvalidArgumentError` naming what lacks it (`owner`: "config").
+fn get_attr<'py>(obj: &Bound<'py, PyAny>, owner: &str, name: &str) -> PyResult<Bound<'py, PyAny>> {
     let py = obj.py();
-    obj.getattr(name)
-        .map_err(|e| {
+    obj.getattr(name).map_err(|e| {
+        unless_fatal(py, e, || {
+            invalid(py, format!("{owner} has no attribute {name:?}"))
+        })
+    })
+}
+
+fn attr<'py, T: FromPyObjectOwned<'py, Error = PyErr>>(
+    obj: &Bound<'py, PyAny>,
+    name: &str,
+) -> PyResult<T> {
+    let py = obj.py();
+    let value = get_attr(obj, "config", name)?;
+    value.extract::<T>().map_err(|e| {
+        unless_fatal(py, e, || {
+            wrong_type(
+                py,
+                format!("config.{name} has the wrong type ({})", type_name(&value)),
+            )
+        })
+    })
+}
+
+/// An optional bool attribute of the config (absent: `default`).
+fn opt_flag(config: &Bound<'_, PyAny>, name: &str, default: bool) -> PyResult<bool> {
+    let py = config.py();
+    match config.getattr(name) {
+        Ok(v) => v.extract().map_err(|e| {
             unless_fatal(py, e, || {
-                invalid(py, format!("config has no attribute {name:?}"))
+                wrong_type(
+                    py,
+                    format!("config.{name} must be a bool, got {}", type_name(&v)),
+                )
             })
-        })?
-        .extract::<T>()
-        .map_err(|_| invalid(py, format!("config.{name} has the wrong type")))
+        }),
+        Err(_) => Ok(default),
+    }
 }
 
 pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
     let py = config.py();
     let count = |name: &str| -> PyResult<usize> {
-        let value = config.getattr(name).map_err(|e| {
-            unless_fatal(py, e, || {
-                invalid(py, format!("config has no attribute {name:?}"))
-            })
-        })?;
-        let value = int_named(&value, &format!("config.{name}")).map_err(|e| {
-            if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) {
-                invalid(py, format!("config.{name} has the wrong type"))
-            } else {
-                e
-            }
-        })?;
-        non_negative(py, name, value)
+        let value = get_attr(config, "config", name)?;
+        non_negative(py, name, int_named(&value, &format!("config.{name}"))?)
     };
     let mut c = SchedulerConfig::new(
         count("num_blocks")?,
@@ -54,65 +75,66 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
     c.policy = Policy::from_name(&attr::<String>(config, "policy")?).py(py)?;
     c.hash_algo = HashAlgo::from_name(&attr::<String>(config, "hash_algo")?).py(py)?;
     // Optional, so configs written for earlier versions keep working.
-    if let Ok(v) = config.getattr("verify_prefix_hits") {
-        c.verify_prefix_hits = v.extract().map_err(|e| {
-            unless_fatal(py, e, || {
-                invalid(py, "config.verify_prefix_hits must be a bool")
-            })
-        })?;
+    c.verify_prefix_hits = opt_flag(config, "verify_prefix_hits", c.verify_prefix_hits)?;
+    c.pad_admitted_decodes = opt_flag(config, "pad_admitted_decodes", c.pad_admitted_decodes)?;
+    if config.hasattr("draft_slots_per_request").unwrap_or(false) {
+        c.draft_slots_per_request = count("draft_slots_per_request")?;
     }
-    if let Ok(v) = config.getattr("pad_admitted_decodes") {
-        c.pad_admitted_decodes = v.extract().map_err(|e| {
-            unless_fatal(py, e, || {
-                invalid(py, "config.pad_admitted_decodes must be a bool")
-            })
-        })?;
-    }
-    if let Ok(v) = config.getattr("draft_slots_per_request") {
-        c.draft_slots_per_request = v.extract().map_err(|e| {
-            unless_fatal(py, e, || {
-                invalid(
-                    py,
-                    "config.draft_slots_per_request must be a non-negative int",
-                )
-            })
-        })?;
-    }
-    if let Ok(v) = config.getattr("drop_last_hit_block") {
-        c.drop_last_hit_block = v.extract().map_err(|e| {
-            unless_fatal(py, e, || {
-                invalid(py, "config.drop_last_hit_block must be a bool")
-            })
-        })?;
-    }
+    c.drop_last_hit_block = opt_flag(config, "drop_last_hit_block", c.drop_last_hit_block)?;
     if let Ok(v) = config.getattr("vllm_semantics") {
-        let name: String = v.extract().map_err(|e| {
-            unless_fatal(py, e, || invalid(py, "config.vllm_semantics must be a str"))
-        })?;
+        let name = str_named(v.as_borrowed(), "config.vllm_semantics")?;
         c.vllm_semantics = VllmSemantics::from_name(&name).py(py)?;
     }
-    if let Ok(v) = config.getattr("async_scheduling") {
-        c.async_scheduling = v.extract().map_err(|e| {
-            unless_fatal(py, e, || {
-                invalid(py, "config.async_scheduling must be a bool")
-            })
-        })?;
-    }
+    c.async_scheduling = opt_flag(config, "async_scheduling", c.async_scheduling)?;
     c.lookahead_policy =
         LookaheadPolicy::from_name(&attr::<String>(config, "lookahead_policy")?).py(py)?;
-    let speculative = config.getattr("speculative")?;
+    let speculative = get_attr(config, "config", "speculative")?;
     if !speculative.is_none() {
-        c.spec_method = SpecMethod::from_name(&attr::<String>(&speculative, "method")?).py(py)?;
+        let method = get_attr(&speculative, "config.speculative", "method")?;
+        let method = str_named(method.as_borrowed(), "config.speculative.method")?;
+        c.spec_method = SpecMethod::from_name(&method).py(py)?;
+        let k = get_attr(&speculative, "config.speculative", "num_speculative_tokens")?;
         c.num_speculative_tokens = non_negative(
             py,
             "num_speculative_tokens",
-            attr::<Int>(&speculative, "num_speculative_tokens")?,
+            int_named(&k, "config.speculative.num_speculative_tokens")?,
         )?;
     }
     let seed: Option<Bound<'_, PyAny>> = config.getattr("hash_seed").ok().filter(|s| !s.is_none());
     c.hash_seed = crate::hash_config::seed_bytes(py, seed.as_ref())?;
     c.validate().py(py)?;
     Ok(c)
+}
+
+/// A real number (an int, a float, a numpy scalar; not a bool) named `what`.
+fn number_named(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<f64> {
+    let py = obj.py();
+    let not_a_number = || {
+        wrong_type(
+            py,
+            format!("{what} must be a number or None, got {}", type_name(obj)),
+        )
+    };
+    if obj.is_instance_of::<PyBool>() {
+        return Err(not_a_number());
+    }
+    obj.extract().map_err(|e| unless_fatal(py, e, not_a_number))
+}
+
+/// `runner_output.<name>`, or `InvalidArgumentError` naming the missing attribute.
+pub fn runner_attr<'py>(
+    runner: &Bound<'py, PyAny>,
+    name: &Bound<'py, PyString>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = runner.py();
+    runner.getattr(name).map_err(|e| {
+        unless_fatal(py, e, || {
+            invalid(
+                py,
+                format!("runner_output must be a ModelRunnerOutput (it has no {name})"),
+            )
+        })
+    })
 }
 
 pub fn finish_reason_from_name(py: Python<'_>, name: &str) -> PyResult<FinishReason> {
@@ -149,9 +171,8 @@ pub fn request_spec<'py>(req: &Bound<'py, PyAny>, max_model_len: usize) -> PyRes
             })
         })
     };
-    let request_id: String = get(intern!(py, "request_id"))?
-        .extract()
-        .map_err(|e| unless_fatal(py, e, || invalid(py, "request_id must be a str")))?;
+    let request_id =
+        str_named(get(intern!(py, "request_id"))?.as_borrowed(), "request_id")?.into_owned();
     let max_tokens = int_named(&get(intern!(py, "max_tokens"))?, "max_tokens")?;
     let room_for = usize::try_from(max_tokens).unwrap_or(0);
     let prompt = token_ids_with_capacity(
@@ -162,10 +183,10 @@ pub fn request_spec<'py>(req: &Bound<'py, PyAny>, max_model_len: usize) -> PyRes
     let min_tokens = int_named(&get(intern!(py, "min_tokens"))?, "min_tokens")?;
     let stop = token_ids(&get(intern!(py, "stop_token_ids"))?, "stop_token_ids")?;
     let arrival = get(intern!(py, "arrival_time"))?;
-    let arrival_time: f64 = if arrival.is_none() {
+    let arrival_time = if arrival.is_none() {
         0.0
     } else {
-        arrival.extract()?
+        number_named(&arrival, "arrival_time")?
     };
     let spec = RequestSpec {
         request_id,
@@ -179,13 +200,23 @@ pub fn request_spec<'py>(req: &Bound<'py, PyAny>, max_model_len: usize) -> PyRes
             opt_token(py, "eos_token_id", eos)?
         },
         stop_token_ids: stop,
-        ignore_eos: get(intern!(py, "ignore_eos"))?.extract()?,
+        ignore_eos: {
+            let flag = get(intern!(py, "ignore_eos"))?;
+            flag.extract().map_err(|e| {
+                unless_fatal(py, e, || {
+                    wrong_type(
+                        py,
+                        format!("ignore_eos must be a bool, got {}", type_name(&flag)),
+                    )
+                })
+            })?
+        },
         min_tokens: non_negative(py, "min_tokens", min_tokens)?,
         priority: int_named(&get(intern!(py, "priority"))?, "priority")?,
         arrival_time,
         extra: ExtraKeys {
-            lora_name: get(intern!(py, "lora_name"))?.extract()?,
-            cache_salt: get(intern!(py, "cache_salt"))?.extract()?,
+            lora_name: opt_str_named(Some(&get(intern!(py, "lora_name"))?), "lora_name")?,
+            cache_salt: opt_str_named(Some(&get(intern!(py, "cache_salt"))?), "cache_salt")?,
         },
     };
     if spec.min_tokens > spec.max_tokens {
