@@ -1,0 +1,224 @@
+"""Stateful test of the held-output contract (issue 16): whatever the engine does, every
+``SchedulerOutput`` it still holds reads exactly as when ``schedule()`` returned it.
+
+Rules, in random interleavings on a tiny pool (sync, or async with up to two steps in flight):
+submit requests (shared prefixes, so prefix hits), schedule, apply the oldest step's output,
+abandon steps in flight, abort (in flight too), preempt everything, pause and unpause, reset the
+prefix cache (also preempting the running requests), install drafts, and let go of held outputs
+(so their block-table snapshots are reused). Every output ever returned is kept for a while.
+
+After every rule: each held output equals its deep copy taken at return time (every array,
+tuple, set, dict and per-request record it exposes), ``check_invariants()`` holds, and the pool
+accounts for every block. At return time the block-table rows were exactly the blocks each
+request owned (``block_ids``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, deque
+from typing import Any, Deque, List, Optional, Tuple
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from dflash_rs import ModelRunnerOutput, Request, Scheduler, SchedulerConfig, SpeculativeConfig
+from tests.scheduler.drivers import sampled_for
+from tests.scheduler.test_held_outputs import assert_unchanged, frozen_view
+
+VOCAB = 12
+#: Held outputs kept at most (older ones are let go, oldest first).
+MAX_HELD = 10
+SEEN: Counter = Counter()
+
+
+class HeldOutputsMachine(RuleBasedStateMachine):
+    """One scheduler, the steps in flight, and every output the engine still holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sched: Optional[Scheduler] = None
+        self.in_flight: Deque[Any] = deque()
+        self.held: List[Tuple[Any, dict]] = []
+        self.next_id = 0
+        self.rng = random.Random(0)
+
+    @initialize(
+        method=st.sampled_from([None, "dflash", "eagle", "ngram"]),
+        k=st.integers(1, 3),
+        block_size=st.sampled_from([1, 2, 4]),
+        num_blocks=st.integers(12, 40),
+        async_scheduling=st.booleans(),
+        chunked=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def setup(
+        self,
+        method: Optional[str],
+        k: int,
+        block_size: int,
+        num_blocks: int,
+        async_scheduling: bool,
+        chunked: bool,
+        seed: int,
+    ) -> None:
+        self.async_scheduling = async_scheduling
+        self.method = method
+        self.k = k
+        self.num_blocks = num_blocks
+        self.rng = random.Random(seed)
+        self.sched = Scheduler(
+            SchedulerConfig(
+                num_blocks,
+                block_size=block_size,
+                max_model_len=24,
+                max_num_seqs=4,
+                max_num_batched_tokens=24 if not chunked else 8,
+                enable_chunked_prefill=chunked,
+                speculative=None if method is None else SpeculativeConfig(method, k),
+                async_scheduling=async_scheduling,
+            )
+        )
+
+    @property
+    def s(self) -> Scheduler:
+        assert self.sched is not None
+        return self.sched
+
+    @property
+    def max_in_flight(self) -> int:
+        return 2 if self.async_scheduling else 1
+
+    # ---- rules --------------------------------------------------------------------------
+
+    @rule(n=st.integers(1, 3), shared=st.booleans())
+    def submit(self, n: int, shared: bool) -> None:
+        for _ in range(n):
+            rid = f"r{self.next_id}"
+            self.next_id += 1
+            length = self.rng.randint(1, 12)
+            prefix = [1, 2, 3, 4, 5, 6] if shared else []
+            prompt = (prefix + [self.rng.randrange(VOCAB) for _ in range(length)])[:16]
+            self.s.add_request(Request(rid, prompt, self.rng.randint(1, 6), eos_token_id=0))
+
+    @precondition(lambda self: self.sched is not None)
+    @rule()
+    def schedule(self) -> None:
+        if len(self.in_flight) >= self.max_in_flight:
+            return
+        out = self.s.schedule()
+        for i, rid in enumerate(out.req_ids):
+            n = int(out.num_blocks_per_row[i])
+            assert out.block_table[i, :n].tolist() == self.s.block_ids(rid), rid
+            assert not out.block_table[i, n:].any(), rid
+        self.held.append((out, frozen_view(out)))
+        del self.held[:-MAX_HELD]
+        if out.req_ids:
+            self.in_flight.append(out)
+            SEEN["in flight: %d" % len(self.in_flight)] += 1
+        else:
+            self.s.update_from_output(out, ModelRunnerOutput([], []))
+        SEEN["preempted"] += len(out.preempted_req_ids)
+        SEEN["prefix hits"] += sum(r.num_computed_tokens > 0 for r in out.scheduled_new_reqs)
+
+    @precondition(lambda self: self.sched is not None and bool(self.in_flight))
+    @rule(accept=st.sampled_from(["random", "all", "none"]), eos=st.booleans())
+    def apply_oldest(self, accept: str, eos: bool) -> None:
+        out = self.in_flight.popleft()
+        sampled = sampled_for(out, self.rng, accept=accept, vocab=VOCAB)
+        if eos:
+            sampled = [s[:-1] + [0] if s else s for s in sampled]
+        results = self.s.update_from_output(out, ModelRunnerOutput(list(out.req_ids), sampled))
+        SEEN["finished by output"] += sum(r.finished for r in results)
+
+    @precondition(lambda self: self.sched is not None and self.method is not None)
+    @rule()
+    def drafts(self) -> None:
+        running = self.s.running_request_ids()
+        drafts = {
+            rid: [self.rng.randrange(1, VOCAB) for _ in range(self.rng.randint(0, self.k))]
+            for rid in running
+        }
+        self.s.update_draft_token_ids(drafts)
+
+    @precondition(lambda self: self.sched is not None)
+    @rule(in_flight=st.booleans())
+    def abort(self, in_flight: bool) -> None:
+        pool = self.s.running_request_ids() + self.s.waiting_request_ids()
+        if in_flight and self.in_flight:
+            pool = [r for r in self.in_flight[0].req_ids if self.s.has_request(r)] or pool
+        if pool:
+            self.s.finish_requests(self.rng.choice(pool))
+            SEEN["aborted"] += 1
+
+    @precondition(lambda self: self.sched is not None and not self.in_flight)
+    @rule()
+    def preempt_all(self) -> None:
+        SEEN["preempt all"] += len(self.s.preempt_all_running(drop_stale_outputs=False))
+
+    @precondition(lambda self: self.sched is not None)
+    @rule(running=st.booleans())
+    def reset_prefix_cache(self, running: bool) -> None:
+        self.s.reset_prefix_cache(reset_running_requests=running)
+        SEEN["reset"] += 1
+
+    @precondition(lambda self: self.sched is not None)
+    @rule(state=st.sampled_from(["unpaused", "unpaused", "paused_new", "paused_all"]))
+    def pause(self, state: str) -> None:
+        self.s.set_pause_state(state)
+
+    @precondition(lambda self: bool(self.held))
+    @rule(data=st.data())
+    def let_go(self, data: Any) -> None:
+        """The engine drops one held output (its snapshot is reused by a later step)."""
+        self.held.pop(data.draw(st.integers(0, len(self.held) - 1), label="let go"))
+        SEEN["let go"] += 1
+
+    # ---- invariants ---------------------------------------------------------------------
+
+    @invariant()
+    def held_outputs_read_as_returned(self) -> None:
+        for out, expected in self.held:
+            assert_unchanged(out, expected, "a later call")
+
+    @invariant()
+    def pool_and_ownership(self) -> None:
+        if self.sched is None:
+            return
+        self.s.check_invariants()
+        assert 0 <= self.s.num_free_blocks <= self.num_blocks - 1
+
+    def teardown(self) -> None:
+        if self.sched is None:
+            return
+        while self.in_flight:
+            self.apply_oldest("none", False)
+        self.s.finish_requests(self.s.running_request_ids() + self.s.waiting_request_ids())
+        out = self.s.schedule()
+        self.s.update_from_output(out, ModelRunnerOutput([], []))
+        self.held_outputs_read_as_returned()
+        assert self.s.num_free_blocks == self.num_blocks - 1, "blocks leaked"
+
+
+def test_held_outputs_never_change() -> None:
+    SEEN.clear()
+    run_state_machine_as_test(
+        HeldOutputsMachine,
+        settings=settings(
+            max_examples=120,
+            stateful_step_count=40,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        ),
+    )
+    for what in ("in flight: 2", "preempted", "prefix hits", "aborted", "reset", "let go"):
+        assert SEEN[what] > 0, f"the run never covered {what!r}: {dict(SEEN)}"
