@@ -635,7 +635,8 @@ impl Harness {
     }
 
     /// Tokens and counts of a well-formed output for `out`. `accept[i]`: 255 = an empty sample
-    /// (starves a decode request), else `1 + accept % (drafts + 1)` tokens.
+    /// (starves a decode request; legal only without drafts), else `1 + accept % (drafts + 1)`
+    /// tokens.
     fn valid_output(&self, out: &StepOutput, accept: &[u8], seed: u8) -> Output {
         let mut rng = Lcg::new(u32::from(seed) | (out.step_id as u32) << 8);
         let (mut tokens, mut counts, mut starved) = (Vec::new(), Vec::new(), Vec::new());
@@ -644,7 +645,7 @@ impl Harness {
             let drafts = out.num_spec_tokens[i];
             let count = if out.is_prefill_chunk[i] {
                 u32::from(a % 2) // a discarded sample, or none
-            } else if a == u8::MAX {
+            } else if a == u8::MAX && drafts == 0 {
                 let gen = out.generations[i];
                 if let Some(r) = self
                     .sched

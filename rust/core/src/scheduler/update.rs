@@ -62,12 +62,24 @@ impl Scheduler {
                     e.num_spec_tokens
                 ));
             }
-            if c == 0 && self.config.async_scheduling && !e.is_prefill_chunk && !e.drop_output {
-                // Its placeholders would never resolve.
-                return Err(invalid!(
-                    "request at batch index {i} finished its prefill or decoded in this step but \
-                     sampled no token (async scheduling counts on one)"
-                ));
+            if c == 0 && !e.is_prefill_chunk && !e.drop_output {
+                // A step that verifies drafts samples at least the bonus token. With none, the
+                // drafts' rollback (rejected = drafts - (sampled - 1)) is undefined, and vLLM
+                // skips it, leaving num_computed_tokens past the tokens: the request is never
+                // scheduled again. Under async scheduling its placeholders would never resolve.
+                if self.config.async_scheduling {
+                    return Err(invalid!(
+                        "request at batch index {i} finished its prefill or decoded in this step \
+                         but sampled no token (async scheduling counts on one)"
+                    ));
+                }
+                if e.num_spec_tokens > 0 {
+                    return Err(invalid!(
+                        "request at batch index {i} verified {} draft tokens but sampled no token \
+                         (a decode step samples at least one)",
+                        e.num_spec_tokens
+                    ));
+                }
             }
         }
         let step = self
