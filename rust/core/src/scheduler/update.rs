@@ -22,6 +22,11 @@ impl Scheduler {
         crate::fault::hit("update.begin")?;
         out.updates.clear();
         out.new_token_ids.clear();
+        if self.is_abandoned(step_id) {
+            return Err(CoreError::State(format!(
+                "step {step_id} was abandoned (abandon_step): its output can no longer be applied"
+            )));
+        }
         if counts.is_empty()
             && tokens.is_empty()
             && self.in_flight.front().is_none_or(|s| s.step_id != step_id)
