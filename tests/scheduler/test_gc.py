@@ -74,11 +74,16 @@ def test_cycle_through_a_config_subclass_is_collected() -> None:
 
 def test_a_live_scheduler_survives_collections() -> None:
     config = _EngineConfig(20)
-    sched = _with_requests(Scheduler(config))
+    sched = Scheduler(config)
+    sched.add_request(Request("a", [1, 2, 3], 4))
+    sched.add_request(Request("b", [4, 5], 4))
     config.listeners.append(sched)
+    out = sched.schedule()
     gc.collect()
     assert sched.config is config and sched.running_request_ids() == ["a", "b"]
+    sched.update_from_output(out, ModelRunnerOutput(out.req_ids, [[1]] * len(out.req_ids)))
     out = sched.schedule()
+    gc.collect()
     sched.update_from_output(out, ModelRunnerOutput(out.req_ids, [[1]] * len(out.req_ids)))
     sched.check_invariants()
 

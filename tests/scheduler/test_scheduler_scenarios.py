@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import pytest
 
-from dflash_rs import ModelRunnerOutput, Request, Scheduler
+from dflash_rs import InvalidArgumentError, ModelRunnerOutput, Request, Scheduler
 
 from .drivers import (
     ALL_METHODS,
@@ -575,7 +575,8 @@ def test_schedule_spec_decoding_stats(
 
 
 def test_spec_decoding_stats_empty_output() -> None:
-    """An empty sampled list for a request with drafts yields no (negative) acceptance."""
+    """An empty sampled list for a request with drafts is refused (issue 16, defect 4: vLLM
+    skips the rollback and leaves num_computed_tokens past the tokens), counting nothing."""
     sched = make_scheduler(method="ngram", k=2)
     sched.add_request(Request("a", [1], 8))
     out = schedule(sched)
@@ -583,11 +584,14 @@ def test_spec_decoding_stats_empty_output() -> None:
     sched.update_draft_token_ids({"a": [1, 2]})
     out = schedule(sched)
     assert out.scheduled_spec_decode_tokens == {"a": [1, 2]}
-    assert apply(sched, out, [[]]) == []
+    with pytest.raises(InvalidArgumentError, match="sampled no token"):
+        sched.update_from_output(out, ModelRunnerOutput(out.req_ids, [[]]))
     stats = sched.stats()
     assert stats["spec_num_drafts"] == 0 and stats["spec_num_accepted_tokens"] == 0
     assert stats["spec_num_accepted_tokens_per_pos"] == [0, 0]
     assert sched.all_token_ids("a") == [1, 0]
+    apply(sched, out, [[1, 9]])
+    assert sched.stats()["spec_num_accepted_tokens"] == 1
 
 
 @pytest.mark.parametrize("delivery", ["runner", "dict", "arrays"])

@@ -162,6 +162,11 @@ impl KvCacheManager {
         self.pool.reset_prefix_cache()
     }
 
+    /// Puts the lookup counters back (a refused `schedule()` undoes its lookups).
+    pub(crate) fn set_prefix_cache_stats(&mut self, stats: PrefixCacheStats) {
+        self.stats = stats;
+    }
+
     /// Longest cached prefix of `seq`, capped at `num_tokens - 1` and block aligned: fills `hits`
     /// with the cached blocks and returns the hit length in tokens. Touches nothing.
     pub fn get_computed_blocks(&mut self, seq: SequenceView<'_>, hits: &mut Vec<u32>) -> usize {

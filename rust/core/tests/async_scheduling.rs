@@ -9,7 +9,7 @@ use common::{add, apply, check_ownership, req, schedule};
 use dflash_core::lookahead::SpecMethod;
 use dflash_core::scheduler::PLACEHOLDER_TOKEN;
 use dflash_core::{
-    FinishReason, RequestStatus, Scheduler, SchedulerConfig, StepOutput, UpdateOutput,
+    CoreError, FinishReason, RequestStatus, Scheduler, SchedulerConfig, StepOutput, UpdateOutput,
 };
 use proptest::prelude::*;
 
@@ -255,22 +255,25 @@ fn an_empty_sample_for_a_sampling_entry_is_refused_and_changes_nothing() {
 #[test]
 fn without_async_mode_a_step_in_flight_blocks_the_next_decode() {
     // The contrast that makes placeholders necessary: in sync mode the next schedule() finds
-    // nothing to compute for a request whose decode step is in flight.
+    // nothing to compute for a request whose decode step is in flight, and says so.
     let mut c = config(SpecMethod::DFlash, 3, 64);
     c.async_scheduling = false;
     let mut s = Scheduler::new(c).unwrap();
     add(&mut s, "a", 20, 50);
     let s0 = schedule(&mut s);
-    assert_eq!(schedule(&mut s).num_reqs(), 0);
+    let err = s.schedule(&mut StepOutput::default()).unwrap_err();
+    assert!(matches!(err, CoreError::State(_)), "{err}");
+    assert!(err.to_string().contains("step 0 (1 requests)"), "{err}");
     assert_eq!(req(&s, "a").num_output_placeholders, 0);
     apply(&mut s, &s0, |_| vec![9]);
 }
 
 // ------------------------------------------------------------------------------------------
-// property test: ownership and invariants with up to three steps in flight
+// property test: ownership and invariants with up to three steps in flight, lost steps included
 
 #[derive(Debug, Clone)]
 struct Workload {
+    async_scheduling: bool,
     method: SpecMethod,
     k: usize,
     num_blocks: usize,
@@ -292,9 +295,11 @@ fn workload() -> impl Strategy<Value = Workload> {
         1usize..=3,
         prop::collection::vec((1usize..120, 1usize..60), 1..16),
         any::<u64>(),
+        prop::bool::weighted(0.75),
     )
         .prop_map(
-            |(method, k, num_blocks, in_flight, prompts, seed)| Workload {
+            |(method, k, num_blocks, in_flight, prompts, seed, async_scheduling)| Workload {
+                async_scheduling,
                 method,
                 k: if method == SpecMethod::None { 0 } else { k },
                 num_blocks,
@@ -305,10 +310,42 @@ fn workload() -> impl Strategy<Value = Workload> {
         )
 }
 
+/// What the scheduler's callers can observe: counters, queues and every request's progress.
+fn state_of(s: &Scheduler) -> String {
+    let requests: Vec<String> = s
+        .requests()
+        .iter()
+        .map(|(slot, r)| {
+            format!(
+                "{slot}:{:?}/{}/{}/{}/{:?}/{:?}",
+                r.status,
+                r.num_computed_tokens,
+                r.num_output_placeholders,
+                r.num_in_flight_tokens,
+                r.blocks,
+                r.spec_token_ids
+            )
+        })
+        .collect();
+    format!(
+        "{:?} {:?} {:?} {:?} {} {requests:?}",
+        s.stats(),
+        s.prefix_cache_stats(),
+        s.running(),
+        s.waiting_in_order(),
+        s.kv().num_free_blocks()
+    )
+}
+
 /// Every position a scheduled entry writes (scheduled tokens, on top of the placeholders in
-/// its computed count, plus the method's lookahead) lies in a block the request owns.
+/// its computed count, plus the method's lookahead) lies in a block the request owns. Now and
+/// then a step's output is lost: the step is abandoned (with the younger ones), and its
+/// output is then refused. An idle step asked for at the in-flight limit is refused, changing
+/// nothing; the loop then applies the oldest output, as an engine would.
 fn run(w: &Workload) -> Result<(), String> {
-    let mut s = Scheduler::new(config(w.method, w.k, w.num_blocks)).map_err(|e| e.to_string())?;
+    let mut c = config(w.method, w.k, w.num_blocks);
+    c.async_scheduling = w.async_scheduling;
+    let mut s = Scheduler::new(c).map_err(|e| e.to_string())?;
     for (i, &(len, max_tokens)) in w.prompts.iter().enumerate() {
         add(&mut s, &format!("r{i}"), len, max_tokens);
     }
@@ -318,17 +355,47 @@ fn run(w: &Workload) -> Result<(), String> {
     for _ in 0..600 {
         if s.num_unfinished() > 0 && in_flight.len() < w.in_flight {
             let mut out = StepOutput::default();
-            s.schedule(&mut out).map_err(|e| e.to_string())?;
-            check_ownership(&s, &out)?;
-            s.check_invariants().map_err(|e| e.to_string())?;
-            in_flight.push_back(out);
-            if in_flight.len() < w.in_flight {
-                continue;
+            let before = state_of(&s);
+            match s.schedule(&mut out) {
+                Ok(()) => {
+                    check_ownership(&s, &out)?;
+                    s.check_invariants().map_err(|e| e.to_string())?;
+                    in_flight.push_back(out);
+                    if in_flight.len() < w.in_flight {
+                        continue;
+                    }
+                }
+                Err(CoreError::State(e)) => {
+                    let awaiting = in_flight.iter().filter(|o| o.num_reqs() > 0).count();
+                    if awaiting < s.max_steps_in_flight() {
+                        return Err(format!("idle step refused below the limit: {e}"));
+                    }
+                    if before != state_of(&s) {
+                        return Err(format!("a refused schedule() changed state: {e}"));
+                    }
+                }
+                Err(e) => return Err(e.to_string()),
             }
         }
         let Some(out) = in_flight.pop_front() else {
             break;
         };
+        if out.num_reqs() > 0 && rng.next_u32() % 25 == 0 {
+            // The runner raised: the step and every younger one are abandoned.
+            let n = s.abandon_step(out.step_id).map_err(|e| e.to_string())?;
+            let awaiting = 1 + in_flight.iter().filter(|o| o.num_reqs() > 0).count();
+            if n != awaiting {
+                return Err(format!("abandoned {n} steps, {awaiting} were in flight"));
+            }
+            s.check_invariants().map_err(|e| e.to_string())?;
+            let (tokens, counts) = common::random_output(&out, &mut rng, |_| 9);
+            match s.update_from_output(out.step_id, &tokens, &counts, &mut upd) {
+                Err(CoreError::State(_)) => {}
+                other => return Err(format!("an abandoned step's output gave {other:?}")),
+            }
+            in_flight.clear();
+            continue;
+        }
         if rng.next_u32() % 40 == 0 {
             let id = format!("r{}", rng.next_u32() as usize % w.prompts.len());
             s.finish_requests([id.as_str()], FinishReason::Abort)
@@ -343,9 +410,10 @@ fn run(w: &Workload) -> Result<(), String> {
     }
     if s.num_unfinished() > 0 || !in_flight.is_empty() {
         return Err(format!(
-            "{} requests unfinished, {} steps in flight",
+            "{} requests unfinished, {} steps in flight: {}",
             s.num_unfinished(),
-            in_flight.len()
+            in_flight.len(),
+            state_of(&s)
         ));
     }
     Ok(())

@@ -407,6 +407,29 @@ fn workload() -> impl Strategy<Value = Workload> {
         )
 }
 
+/// Ownership, invariants and the pause state's rules for a step just scheduled.
+fn check_scheduled(
+    s: &Scheduler,
+    out: &StepOutput,
+    pause: PauseState,
+    waiting_before: usize,
+) -> Result<(), String> {
+    check_ownership(s, out)?;
+    s.check_invariants().map_err(|e| e.to_string())?;
+    let admitted = out
+        .kinds
+        .iter()
+        .filter(|k| **k != EntryKind::Running)
+        .count();
+    if pause != PauseState::Unpaused && admitted > 0 {
+        return Err(format!("{pause:?} admitted {admitted} requests"));
+    }
+    if pause == PauseState::PausedAll && (out.num_reqs() > 0 || s.num_waiting() < waiting_before) {
+        return Err("PausedAll scheduled something".into());
+    }
+    Ok(())
+}
+
 /// Returns (resets, entries whose output was dropped).
 fn run(w: &Workload) -> Result<(usize, usize), String> {
     let e = |e: dflash_core::CoreError| e.to_string();
@@ -457,25 +480,19 @@ fn run(w: &Workload) -> Result<(usize, usize), String> {
             let mut out = StepOutput::default();
             let waiting_before = s.num_waiting();
             let pause = s.pause_state();
-            s.schedule(&mut out).map_err(e)?;
-            check_ownership(&s, &out)?;
-            s.check_invariants().map_err(e)?;
-            let admitted = out
-                .kinds
-                .iter()
-                .filter(|k| **k != EntryKind::Running)
-                .count();
-            if pause != PauseState::Unpaused && admitted > 0 {
-                return Err(format!("{pause:?} admitted {admitted} requests"));
-            }
-            if pause == PauseState::PausedAll
-                && (out.num_reqs() > 0 || s.num_waiting() < waiting_before)
-            {
-                return Err("PausedAll scheduled something".into());
-            }
-            in_flight.push_back(out);
-            if in_flight.len() < w.in_flight {
-                continue;
+            match s.schedule(&mut out) {
+                // An idle step at the in-flight limit is refused: apply the oldest output.
+                Err(dflash_core::CoreError::State(_))
+                    if in_flight.iter().filter(|o| o.num_reqs() > 0).count()
+                        >= s.max_steps_in_flight() => {}
+                result => {
+                    result.map_err(e)?;
+                    check_scheduled(&s, &out, pause, waiting_before)?;
+                    in_flight.push_back(out);
+                    if in_flight.len() < w.in_flight {
+                        continue;
+                    }
+                }
             }
         }
         let Some(out) = in_flight.pop_front() else {

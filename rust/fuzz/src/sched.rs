@@ -5,8 +5,9 @@
 //! `add_request` (shared prefixes, and edge cases: empty, exactly or past `max_model_len`,
 //! larger than the pool, duplicate or empty ids, NaN arrival times), `schedule`,
 //! `update_from_output` (random acceptance, EOS and stop tokens, and invalid outputs: stale or
-//! future step ids, wrong counts, too many tokens), draft tokens by id or by slot, aborts and
-//! prefix-cache resets.
+//! future step ids, wrong counts, too many tokens, no token for a decode with drafts), lost
+//! outputs (`abandon_step`, then the abandoned output refused), draft tokens by id or by slot,
+//! aborts and prefix-cache resets.
 //!
 //! Checked after every operation: `Scheduler::check_invariants` (pool accounting and ref counts,
 //! queues, block-table rows, the ownership contract with the method's required lookahead). After
@@ -26,8 +27,8 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use arbitrary::{Arbitrary, Unstructured};
 use dflash_core::lookahead::SpecMethod;
 use dflash_core::{
-    EntryKind, ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec, Scheduler, SchedulerConfig,
-    StepOutput, UpdateOutput,
+    CoreError, EntryKind, ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec, Scheduler,
+    SchedulerConfig, StepOutput, UpdateOutput,
 };
 
 use crate::{prompt_tokens, Lcg};
@@ -110,6 +111,10 @@ pub enum UpdateMode {
     SumMismatch,
     /// More tokens than 1 + drafts for an entry.
     OverCount,
+    /// No token for an entry that verified drafts (refused: a decode samples at least one).
+    EmptyDraftedDecode,
+    /// The output is lost (the runner raised): the step is abandoned, then its output refused.
+    Lost,
 }
 
 /// One operation.
@@ -208,6 +213,8 @@ pub struct SchedStats {
     pub hit_tokens: u64,
     /// Invalid calls refused as expected.
     pub refused_calls: u32,
+    /// Steps abandoned (their output lost).
+    pub abandoned: u32,
     /// Steps of the final drain.
     pub drain_steps: u32,
     /// Known findings tolerated (`DFLASH_FUZZ_ALLOW`).
@@ -635,7 +642,8 @@ impl Harness {
     }
 
     /// Tokens and counts of a well-formed output for `out`. `accept[i]`: 255 = an empty sample
-    /// (starves a decode request), else `1 + accept % (drafts + 1)` tokens.
+    /// (starves a decode request; legal only without drafts), else `1 + accept % (drafts + 1)`
+    /// tokens.
     fn valid_output(&self, out: &StepOutput, accept: &[u8], seed: u8) -> Output {
         let mut rng = Lcg::new(u32::from(seed) | (out.step_id as u32) << 8);
         let (mut tokens, mut counts, mut starved) = (Vec::new(), Vec::new(), Vec::new());
@@ -644,7 +652,7 @@ impl Harness {
             let drafts = out.num_spec_tokens[i];
             let count = if out.is_prefill_chunk[i] {
                 u32::from(a % 2) // a discarded sample, or none
-            } else if a == u8::MAX {
+            } else if a == u8::MAX && drafts == 0 {
                 let gen = out.generations[i];
                 if let Some(r) = self
                     .sched
@@ -696,6 +704,7 @@ impl Harness {
                 self.after_update();
             }
             (UpdateMode::Valid, None) => {}
+            (UpdateMode::Lost, front) => self.lose(front.as_ref(), accept, seed),
             (mode, front) => {
                 let (step_id, mut tokens, mut counts) = match &front {
                     Some(out) => {
@@ -723,7 +732,19 @@ impl Harness {
                         tokens.extend((0..extra).map(|_| 10));
                         step_id
                     }
-                    UpdateMode::Valid => unreachable!(),
+                    UpdateMode::EmptyDraftedDecode => {
+                        let Some(out) = &front else { return };
+                        let Some(i) = (0..out.num_reqs())
+                            .find(|&i| out.num_spec_tokens[i] > 0 && !out.is_prefill_chunk[i])
+                        else {
+                            return;
+                        };
+                        let start: u32 = counts[..i].iter().sum();
+                        tokens.drain(start as usize..(start + counts[i]) as usize);
+                        counts[i] = 0;
+                        step_id
+                    }
+                    UpdateMode::Valid | UpdateMode::Lost => unreachable!(),
                 };
                 if front.is_none() && counts.is_empty() {
                     return;
@@ -749,6 +770,50 @@ impl Harness {
                 }
             }
         }
+    }
+
+    /// The output of the step in flight is lost: the step is abandoned (its requests roll
+    /// back and must be scheduled again), after which its output is refused. With no step in
+    /// flight, abandoning the last step is refused (applied or empty) or a no-op (abandoned).
+    fn lose(&mut self, front: Option<&StepOutput>, accept: &[u8], seed: u8) {
+        let Some(out) = front else {
+            let before = self.snapshot();
+            match self.sched.abandon_step(self.out.step_id) {
+                Ok(0) | Err(CoreError::State(_)) => {}
+                other => panic!("abandon_step of step {} gave {other:?}", self.out.step_id),
+            }
+            assert_eq!(
+                before,
+                self.snapshot(),
+                "a refused abandon_step changed state"
+            );
+            return;
+        };
+        match self.sched.abandon_step(out.step_id) {
+            Ok(1) => {}
+            other => panic!("abandon_step of the step in flight gave {other:?}"),
+        }
+        self.pending.pop_front();
+        self.check(&format!("abandon_step({})", out.step_id));
+        let o = self.valid_output(out, accept, seed);
+        let before = self.snapshot();
+        match self
+            .sched
+            .update_from_output(out.step_id, &o.tokens, &o.counts, &mut self.upd)
+        {
+            Err(CoreError::State(_)) => self.stats.refused_calls += 1,
+            other => panic!(
+                "the output of abandoned step {} gave {other:?}",
+                out.step_id
+            ),
+        }
+        assert_eq!(before, self.snapshot(), "a refused output changed state");
+        assert_eq!(
+            self.sched.abandon_step(out.step_id),
+            Ok(0),
+            "abandoned twice"
+        );
+        self.stats.abandoned += 1;
     }
 
     fn after_update(&mut self) {

@@ -110,6 +110,7 @@ fn random_inputs_smoke() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(300);
     let mut rng = dflash_fuzz::Lcg::new(12345);
+    let mut abandoned = 0;
     for case in 0..n {
         let len = 16 + rng.next() as usize % 1500;
         let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
@@ -123,6 +124,9 @@ fn random_inputs_smoke() {
                 dflash_fuzz::sched::run_with(d, a);
             }),
         ];
+        if let Ok(stats) = panic::catch_unwind(|| dflash_fuzz::sched::run_with(&data, &allow)) {
+            abandoned += stats.abandoned;
+        }
         for (name, run) in runs {
             if panic::catch_unwind(|| run(&data, &allow)).is_err() {
                 let path = std::env::temp_dir().join(format!("dflash-smoke-{name}-{case}"));
@@ -134,6 +138,7 @@ fn random_inputs_smoke() {
             }
         }
     }
+    assert!(abandoned > 0, "no random input lost a step in flight");
 }
 
 /// Prints the decoded operations of one input and runs it:
@@ -201,6 +206,7 @@ fn sched_features(data: &[u8]) -> Option<Vec<String>> {
         format!("finished={}", b(s.finished)),
         format!("hit_tokens={}", b(s.hit_tokens)),
         format!("refused_calls={}", b(s.refused_calls.into())),
+        format!("abandoned={}", b(s.abandoned.into())),
         format!("drain_steps={}", b(s.drain_steps.into())),
     ])
 }

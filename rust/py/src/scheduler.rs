@@ -435,6 +435,25 @@ impl PyScheduler {
         })
     }
 
+    /// Gives up `output`'s step (its model output is lost, e.g. the runner raised) together with
+    /// any younger step in flight: their requests roll back and later steps schedule them
+    /// again. Returns how many steps were abandoned (0 for a step that scheduled nothing or
+    /// was abandoned already). See `abandon.rs` in the core for what rolls back.
+    fn abandon_step(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PySchedulerOutput>,
+    ) -> PyResult<usize> {
+        let out = output.get();
+        self.state.with(py, |st| {
+            st.check_owner(py, out)?;
+            if out.parts.slots.is_empty() {
+                return Ok(0); // an empty step awaits no output
+            }
+            st.inner.abandon_step(out.step_id).py(py)
+        })
+    }
+
     /// Installs draft tokens for the next step: `{req_id: [token, ...]}`. Unknown, finished,
     /// waiting and prefill-chunk requests are ignored. Returns how many requests took drafts.
     fn update_draft_token_ids(

@@ -9,7 +9,8 @@ impl Scheduler {
     /// Checks every invariant: pool accounting and ref counts, queue membership, block-table
     /// rows, the ownership contract (every running request owns slots for
     /// `min(num_computed + required lookahead, max_model_len)` positions, placeholders
-    /// included), and the in-flight bookkeeping of async scheduling.
+    /// included), the in-flight bookkeeping of async scheduling, and that no request counts more
+    /// computed tokens than its tokens plus what its steps in flight deliver.
     pub fn check_invariants(&self) -> CoreResult<()> {
         self.kv
             .check_invariants(self.store.iter().map(|(_, r)| &r.blocks))?;
@@ -93,11 +94,13 @@ impl Scheduler {
     }
 
     /// Each live request's in-flight token count is what its steps awaiting output scheduled;
-    /// its placeholders are 0 unless it runs in async mode, and never exceed that count.
+    /// its placeholders are 0 unless it runs in async mode, and never exceed that count; its
+    /// computed tokens never exceed its tokens plus what is in flight.
     /// Output marked to be dropped is counted, stale, and a prefix of the request's output in
     /// flight (all of it for a preempted request, or none).
     fn check_in_flight(&self) -> CoreResult<()> {
         let mut in_flight = vec![0usize; self.store.capacity()];
+        let mut drafts_in_flight = vec![0usize; self.store.capacity()];
         let mut dropped = vec![false; self.store.capacity()];
         let mut delivered = vec![false; self.store.capacity()];
         let mut num_dropped = 0;
@@ -109,6 +112,7 @@ impl Scheduler {
                 }
                 let s = e.slot as usize;
                 in_flight[s] += e.num_scheduled as usize;
+                drafts_in_flight[s] += e.num_spec_tokens as usize;
                 if !e.drop_output {
                     delivered[s] = true;
                     continue;
@@ -147,6 +151,19 @@ impl Scheduler {
                     in_flight[slot as usize]
                 ));
             }
+            // Computed positions are known tokens, plus what steps in flight will deliver: their
+            // placeholders (async), and drafts that are not tokens yet (sync).
+            let limit = r.num_tokens() + r.num_output_placeholders + drafts_in_flight[s];
+            if r.num_computed_tokens > limit {
+                return Err(broken!(
+                    "request {id:?} has {} computed tokens but only {} tokens, {} output \
+                     placeholders and {} drafts in flight",
+                    r.num_computed_tokens,
+                    r.num_tokens(),
+                    r.num_output_placeholders,
+                    drafts_in_flight[s]
+                ));
+            }
             let ph = r.num_output_placeholders;
             let allowed = self.config.async_scheduling && r.status == RequestStatus::Running;
             if ph > 0 && (!allowed || ph > r.num_in_flight_tokens) {
@@ -158,5 +175,37 @@ impl Scheduler {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::lookahead::SpecMethod;
+    use crate::output::{StepOutput, UpdateOutput};
+    use crate::request::RequestSpec;
+    use crate::{Scheduler, SchedulerConfig};
+
+    #[test]
+    fn computed_tokens_past_the_tokens_are_caught() {
+        let mut c = SchedulerConfig::new(64, 16, 256, 8, 256);
+        c.spec_method = SpecMethod::DFlash;
+        c.num_speculative_tokens = 4;
+        let mut s = Scheduler::new(c).unwrap();
+        let spec = RequestSpec {
+            request_id: "a".into(),
+            prompt_token_ids: (1..16).collect(),
+            max_tokens: 40,
+            ..Default::default()
+        };
+        let slot = s.add_request(spec).unwrap();
+        let mut out = StepOutput::default();
+        s.schedule(&mut out).unwrap();
+        s.update_from_output(out.step_id, &[7], &[1], &mut UpdateOutput::default())
+            .unwrap();
+        s.check_invariants().unwrap();
+        // What an empty sample for a decode with 4 drafts left behind before it was refused.
+        s.store.get_mut(slot).unwrap().num_computed_tokens += 4;
+        let err = s.check_invariants().unwrap_err();
+        assert!(err.to_string().contains("computed tokens"), "{err}");
     }
 }

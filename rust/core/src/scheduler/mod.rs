@@ -10,6 +10,7 @@
 //! tokens as output placeholders (already in `num_computed_tokens`) and gets K placeholder
 //! drafts, so the next step schedules 1 + K tokens for it; outputs resolve the placeholders.
 
+mod abandon;
 mod budget;
 mod invariants;
 mod pause;
@@ -89,6 +90,13 @@ struct InFlightEntry {
     preemptions: u32,
     /// Stale output to drop rather than deliver (set by `preempt_all_running`; see `pause.rs`).
     drop_output: bool,
+    /// The request's `is_prefill_chunk` before this step (restored if the step is abandoned).
+    was_prefill_chunk: bool,
+    /// Admitted by this step (a new or resumed entry): abandoning the step un-admits it.
+    admitted: bool,
+    /// The request's prefix-cached blocks before this step's allocation: abandoning the step
+    /// withdraws the ones it registered (their KV is never computed).
+    cached_before: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -170,6 +178,8 @@ pub struct Scheduler {
     num_dropped_in_flight: usize,
     /// Requests preempted outside `schedule()`, reported with the next step.
     preempted_between_steps: Vec<String>,
+    /// Ids of the steps abandoned with `abandon_step` (their output is refused).
+    abandoned_steps: Vec<u64>,
 }
 
 /// Source of scheduler identities, so an output is never applied to another scheduler.
@@ -214,6 +224,7 @@ impl Scheduler {
             pause: PauseState::Unpaused,
             num_dropped_in_flight: 0,
             preempted_between_steps: Vec::new(),
+            abandoned_steps: Vec::new(),
         })
     }
 
@@ -434,9 +445,19 @@ impl Scheduler {
     }
 
     /// Plans one step into `out`.
+    ///
+    /// Refused (`State`, nothing changed) when the step would be idle (no request scheduled, no
+    /// finished or preempted id to report) while as many steps await their output as the
+    /// mode's engine keeps in flight ([`Self::max_steps_in_flight`]): everything runnable waits
+    /// for those outputs, which the engine must apply with `update_from_output` or give up
+    /// with [`Self::abandon_step`]. An idle step with fewer steps in flight is legal (vLLM's
+    /// batch queue asks for one while a step runs), and so is a step that schedules something
+    /// beyond the limit (vLLM's scheduler plans a step while others run, as with pipelining).
     pub fn schedule(&mut self, out: &mut StepOutput) -> CoreResult<()> {
         crate::fault::hit("schedule.begin")?;
         out.clear();
+        let at_limit = self.in_flight.len() >= self.max_steps_in_flight();
+        let lookups_before = at_limit.then(|| self.kv.prefix_cache_stats());
         self.scratch.ensure(self.store_capacity());
         let mut budget = StepBudget::new(
             self.config.max_num_batched_tokens,
@@ -454,10 +475,53 @@ impl Scheduler {
         if !preempted_any && self.pause == PauseState::Unpaused {
             self.schedule_waiting(&mut budget, &mut scheduled_order, prefill_scheduled)?;
         }
+        if let Some(lookups) = lookups_before {
+            let idle = scheduled_order.is_empty()
+                && out.preempted_req_ids.is_empty()
+                && self.finished_ids.is_empty()
+                && self.preempted_between_steps.is_empty();
+            if idle {
+                // Admission lookups that led nowhere are all this planning changed.
+                self.kv.set_prefix_cache_stats(lookups);
+                return Err(self.idle_step_error());
+            }
+        }
         self.finish_step(out, scheduled_order)?;
         out.preempted_req_ids
             .append(&mut self.preempted_between_steps);
         Ok(())
+    }
+
+    /// Steps awaiting output from which an idle `schedule()` is refused: vLLM's engine keeps
+    /// one step in flight in sync mode, and two (its batch queue) with async scheduling.
+    pub fn max_steps_in_flight(&self) -> usize {
+        if self.config.async_scheduling {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// The error of an idle step planned at the in-flight limit: what is pending.
+    fn idle_step_error(&self) -> CoreError {
+        let pending: Vec<String> = self
+            .in_flight
+            .iter()
+            .map(|s| format!("step {} ({} requests)", s.step_id, s.entries.len()))
+            .collect();
+        CoreError::State(format!(
+            "nothing to schedule until an output arrives: {} {} awaiting output ({} allows {} \
+             in flight); apply the oldest with update_from_output, or abandon it with \
+             abandon_step if it is lost",
+            pending.join(", "),
+            if pending.len() == 1 { "is" } else { "are" },
+            if self.config.async_scheduling {
+                "async scheduling"
+            } else {
+                "sync scheduling"
+            },
+            self.max_steps_in_flight(),
+        ))
     }
 
     fn store_capacity(&self) -> usize {
@@ -767,6 +831,7 @@ impl Scheduler {
             self.scratch.kind[s] = Some(kind);
             self.scratch.new_blocks_start[s] = 0;
             self.scratch.computed_before[s] = hit_tokens as u32;
+            self.scratch.cached_before[s] = (hit_tokens / self.config.block_size) as u32;
             let r = self.store.get_mut(slot)?;
             r.spec_token_ids.clear();
             if pad {
@@ -848,6 +913,7 @@ impl Scheduler {
             let r = self.store.get_mut(slot)?;
             r.num_computed_tokens += num_new;
             r.num_in_flight_tokens += num_new;
+            let was_prefill_chunk = r.is_prefill_chunk;
             r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens() + r.num_output_placeholders;
             num_output_placeholders.push(r.num_output_placeholders as u32);
             is_prefill_chunk.push(r.is_prefill_chunk);
@@ -870,6 +936,9 @@ impl Scheduler {
                 num_scheduled: num_new as u32,
                 preemptions: r.num_preemptions,
                 drop_output: false,
+                was_prefill_chunk,
+                admitted: self.scratch.kind[s] != Some(EntryKind::Running),
+                cached_before: self.scratch.cached_before[s],
             });
             if self.config.async_scheduling && !r.is_prefill_chunk {
                 add_output_placeholders(r, num_spec, self.config.num_speculative_tokens);

@@ -22,6 +22,11 @@ impl Scheduler {
         crate::fault::hit("update.begin")?;
         out.updates.clear();
         out.new_token_ids.clear();
+        if self.is_abandoned(step_id) {
+            return Err(CoreError::State(format!(
+                "step {step_id} was abandoned (abandon_step): its output can no longer be applied"
+            )));
+        }
         if counts.is_empty()
             && tokens.is_empty()
             && self.in_flight.front().is_none_or(|s| s.step_id != step_id)
@@ -62,12 +67,24 @@ impl Scheduler {
                     e.num_spec_tokens
                 ));
             }
-            if c == 0 && self.config.async_scheduling && !e.is_prefill_chunk && !e.drop_output {
-                // Its placeholders would never resolve.
-                return Err(invalid!(
-                    "request at batch index {i} finished its prefill or decoded in this step but \
-                     sampled no token (async scheduling counts on one)"
-                ));
+            if c == 0 && !e.is_prefill_chunk && !e.drop_output {
+                // A step that verifies drafts samples at least the bonus token. With none, the
+                // drafts' rollback (rejected = drafts - (sampled - 1)) is undefined, and vLLM
+                // skips it, leaving num_computed_tokens past the tokens: the request is never
+                // scheduled again. Under async scheduling its placeholders would never resolve.
+                if self.config.async_scheduling {
+                    return Err(invalid!(
+                        "request at batch index {i} finished its prefill or decoded in this step \
+                         but sampled no token (async scheduling counts on one)"
+                    ));
+                }
+                if e.num_spec_tokens > 0 {
+                    return Err(invalid!(
+                        "request at batch index {i} verified {} draft tokens but sampled no token \
+                         (a decode step samples at least one)",
+                        e.num_spec_tokens
+                    ));
+                }
             }
         }
         let step = self
