@@ -1,17 +1,20 @@
 //! Async scheduling (vLLM's `AsyncScheduler`): a step is scheduled before the previous step's
 //! output is applied. Placeholder bookkeeping with two steps in flight, rejected drafts, a stop
-//! and a preemption while a step is in flight, and (proptest) the ownership contract and
-//! `check_invariants` after every call with up to three steps in flight.
+//! and a preemption while a step is in flight, and (proptest) the ownership contract,
+//! `check_invariants` and the held block-table snapshots after every call with up to three steps
+//! in flight.
 
 mod common;
 
 use common::{add, apply, check_ownership, req, schedule};
 use dflash_core::lookahead::SpecMethod;
 use dflash_core::scheduler::PLACEHOLDER_TOKEN;
+use dflash_core::table_snapshot::{SnapshotPool, TableSnapshot};
 use dflash_core::{
     CoreError, FinishReason, RequestStatus, Scheduler, SchedulerConfig, StepOutput, UpdateOutput,
 };
 use proptest::prelude::*;
+use std::sync::Arc;
 
 const BS: usize = 16;
 
@@ -337,11 +340,57 @@ fn state_of(s: &Scheduler) -> String {
     )
 }
 
+/// A step's block-table snapshot as the bindings hand it out, with a copy of what it read then.
+struct Held {
+    snapshot: Arc<TableSnapshot>,
+    table: Vec<i32>,
+    counts: Vec<i32>,
+}
+
+/// Takes the step's snapshot: its rows must be the entries' blocks right now.
+fn hold(pool: &mut SnapshotPool, s: &Scheduler, out: &StepOutput) -> Result<Held, String> {
+    let snapshot = pool.take(s.block_table()).map_err(|e| e.to_string())?;
+    for (i, &slot) in out.slots.iter().enumerate() {
+        let owned = &s
+            .requests()
+            .get(slot)
+            .map_err(|e| e.to_string())?
+            .blocks
+            .block_ids;
+        if snapshot
+            .row(i)
+            .iter()
+            .map(|&b| b as u32)
+            .ne(owned.iter().copied())
+        {
+            return Err(format!(
+                "row {i} of a new snapshot is not slot {slot}'s blocks"
+            ));
+        }
+    }
+    Ok(Held {
+        table: snapshot.as_slice().to_vec(),
+        counts: snapshot.counts().to_vec(),
+        snapshot,
+    })
+}
+
+/// Every held snapshot still reads as when it was taken.
+fn check_held(held: &[Held], after: &str) -> Result<(), String> {
+    for h in held {
+        if h.snapshot.as_slice() != h.table || h.snapshot.counts() != h.counts {
+            return Err(format!("a held block-table snapshot changed after {after}"));
+        }
+    }
+    Ok(())
+}
+
 /// Every position a scheduled entry writes (scheduled tokens, on top of the placeholders in
 /// its computed count, plus the method's lookahead) lies in a block the request owns. Now and
 /// then a step's output is lost: the step is abandoned (with the younger ones), and its
 /// output is then refused. An idle step asked for at the in-flight limit is refused, changing
-/// nothing; the loop then applies the oldest output, as an engine would.
+/// nothing; the loop then applies the oldest output, as an engine would. Each step's snapshot
+/// is held for a while (some are let go early, so snapshots get reused) and must never change.
 fn run(w: &Workload) -> Result<(), String> {
     let mut c = config(w.method, w.k, w.num_blocks);
     c.async_scheduling = w.async_scheduling;
@@ -352,7 +401,12 @@ fn run(w: &Workload) -> Result<(), String> {
     let mut rng = common::rng(w.seed);
     let mut in_flight: std::collections::VecDeque<StepOutput> = Default::default();
     let mut upd = UpdateOutput::default();
+    let (mut pool, mut held) = (SnapshotPool::new(), Vec::<Held>::new());
     for _ in 0..600 {
+        check_held(&held, "a call")?;
+        if held.len() > 6 || (!held.is_empty() && rng.next_u32() % 3 == 0) {
+            held.remove(rng.next_u32() as usize % held.len());
+        }
         if s.num_unfinished() > 0 && in_flight.len() < w.in_flight {
             let mut out = StepOutput::default();
             let before = state_of(&s);
@@ -360,6 +414,8 @@ fn run(w: &Workload) -> Result<(), String> {
                 Ok(()) => {
                     check_ownership(&s, &out)?;
                     s.check_invariants().map_err(|e| e.to_string())?;
+                    check_held(&held, "schedule")?;
+                    held.push(hold(&mut pool, &s, &out)?);
                     in_flight.push_back(out);
                     if in_flight.len() < w.in_flight {
                         continue;
@@ -388,6 +444,7 @@ fn run(w: &Workload) -> Result<(), String> {
                 return Err(format!("abandoned {n} steps, {awaiting} were in flight"));
             }
             s.check_invariants().map_err(|e| e.to_string())?;
+            check_held(&held, "abandon_step")?;
             let (tokens, counts) = common::random_output(&out, &mut rng, |_| 9);
             match s.update_from_output(out.step_id, &tokens, &counts, &mut upd) {
                 Err(CoreError::State(_)) => {}
@@ -407,6 +464,7 @@ fn run(w: &Workload) -> Result<(), String> {
         s.update_from_output(out.step_id, &tokens, &counts, &mut upd)
             .map_err(|e| e.to_string())?;
         s.check_invariants().map_err(|e| e.to_string())?;
+        check_held(&held, "update_from_output")?;
     }
     if s.num_unfinished() > 0 || !in_flight.is_empty() {
         return Err(format!(
