@@ -64,7 +64,7 @@ def run_once(
 ) -> dict[tuple[str, int], dict]:
     """One scheduler_bench run against the package in `path`: {(mode, n): aggregate row}."""
     env = dict(os.environ, PYTHONPATH=path, OPENBLAS_NUM_THREADS="1")
-    cmd = [sys.executable, BENCH, *FIXED, "--micro-iters", "0", *bench_args, "--json", out]
+    cmd = [sys.executable, BENCH, *FIXED, *bench_args, "--json", out]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, cwd="/")
     with open(out) as f:
         doc = json.load(f)
