@@ -16,6 +16,7 @@ pub mod free_queue;
 pub mod hashing;
 pub mod huge_pages;
 pub mod kv_manager;
+pub mod limits;
 pub mod lookahead;
 pub mod output;
 pub mod prefetch;

@@ -91,6 +91,13 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         })?;
         c.vllm_semantics = VllmSemantics::from_name(&name).py(py)?;
     }
+    if let Ok(v) = config.getattr("pool_must_hold_max_model_len") {
+        c.pool_must_hold_max_model_len = v.extract().map_err(|e| {
+            unless_fatal(py, e, || {
+                invalid(py, "config.pool_must_hold_max_model_len must be a bool")
+            })
+        })?;
+    }
     if let Ok(v) = config.getattr("async_scheduling") {
         c.async_scheduling = v.extract().map_err(|e| {
             unless_fatal(py, e, || {
