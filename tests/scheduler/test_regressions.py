@@ -60,7 +60,8 @@ def test_prompt_of_exactly_max_model_len_finishes_under_chunked_prefill() -> Non
 
 def test_request_that_outgrows_the_whole_pool_ends_instead_of_preempting_itself_forever() -> None:
     # 4 usable blocks = 64 slots; the request needs more as it decodes. Alone in the pool and
-    # still short, it is ended with an error rather than preempting itself on every step. Such a pool is refused unless pool_must_hold_max_model_len
+    # still short, it is ended with an error rather than preempting itself on every step, and
+    # update_from_output says so. Such a pool is refused unless pool_must_hold_max_model_len
     # is off (vLLM's Scheduler class semantics, which the vLLM drop-in follows).
     sched = Scheduler(
         SchedulerConfig(
@@ -69,16 +70,19 @@ def test_request_that_outgrows_the_whole_pool_ends_instead_of_preempting_itself_
     )
     sched.add_request(Request("r", [7] * 60, max_tokens=20))
     finished: set = set()
+    reasons = []
     for _ in range(40):
         out = sched.schedule()
         finished |= out.finished_req_ids
         sched.check_invariants()
-        sched.update_from_output(out, _outputs_for(out))
+        results = sched.update_from_output(out, _outputs_for(out))
+        reasons += [(r.request_id, r.finish_reason) for r in results if r.finished]
         if not sched.has_unfinished_requests():
             break
     finished |= sched.schedule().finished_req_ids
     assert not sched.has_unfinished_requests()
     assert finished == {"r"}
+    assert reasons == [("r", "error")]
     assert sched.stats()["num_preemptions"] == 0
     assert sched.num_free_blocks == 4
 

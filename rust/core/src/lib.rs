@@ -35,7 +35,7 @@ pub use error::{CoreError, CoreResult};
 pub use hashing::{BlockHash, BlockHasher, ExtraKeys, HashAlgo};
 pub use kv_manager::{AllocateArgs, KvCacheManager, PrefixCacheStats, RequestBlocks, SequenceView};
 pub use lookahead::{LookaheadPolicy, SpecMethod};
-pub use output::{EntryKind, RequestUpdate, StepOutput, UpdateOutput};
+pub use output::{EndedRequest, EntryKind, RequestUpdate, StepOutput, UpdateOutput};
 pub use queue::Policy;
 pub use request::{FinishReason, RequestSpec, RequestStatus};
 pub use scheduler::{PauseState, Scheduler, SchedulerStats};

@@ -1,11 +1,12 @@
 //! A config is refused before anything is allocated when a size field is beyond int32, when the
 //! tables it implies exceed the machine's memory, or when its pool cannot hold one
-//! `max_model_len` request.
+//! `max_model_len` request; and the ends of a request that a smaller pool (allowed on request)
+//! can never hold reach the caller through `update_from_output`.
 
 mod common;
 
 use dflash_core::{
-    CoreError, FinishReason, KvCacheManager, Scheduler, SchedulerConfig, SpecMethod,
+    CoreError, EndedRequest, FinishReason, KvCacheManager, Scheduler, SchedulerConfig, SpecMethod,
     UpdateOutput,
 };
 use proptest::prelude::*;
@@ -113,6 +114,79 @@ fn the_pool_must_hold_one_max_model_len_request_unless_told_otherwise() {
     assert!(Scheduler::new(allowed).is_ok());
 }
 
+/// A pool of 4 blocks of 16 (64 slots) with max_model_len 128, allowed explicitly.
+fn small_pool() -> Scheduler {
+    let mut config = SchedulerConfig::new(5, 16, 128, 8, 256);
+    config.pool_must_hold_max_model_len = false;
+    Scheduler::new(config).unwrap()
+}
+
+fn error_end(id: &str) -> EndedRequest {
+    EndedRequest {
+        request_id: id.to_owned(),
+        finish_reason: FinishReason::Error,
+    }
+}
+
+/// One step with one sampled token per entry; returns the update.
+fn step(s: &mut Scheduler) -> UpdateOutput {
+    let out = common::schedule(s);
+    common::apply(s, &out, |_| vec![7])
+}
+
+#[test]
+fn a_request_ended_while_running_is_reported_by_the_next_update_once() {
+    let mut s = small_pool();
+    common::add(&mut s, "a", 60, 20);
+    for _ in 0..5 {
+        assert!(step(&mut s).ended.is_empty()); // up to 65 tokens in 64 slots + the sampled one
+    }
+    let out = common::schedule(&mut s);
+    assert_eq!(out.num_reqs(), 0);
+    assert_eq!(out.finished_req_ids, ["a"]);
+    let upd = common::apply(&mut s, &out, |_| vec![7]);
+    assert_eq!(upd.ended, [error_end("a")]);
+    assert!(upd.updates.is_empty());
+    assert!(step(&mut s).ended.is_empty(), "reported once");
+    assert_eq!(s.stats().num_preemptions, 0);
+}
+
+#[test]
+fn a_request_ended_at_admission_is_reported_and_a_failed_update_keeps_it() {
+    let mut s = small_pool();
+    common::add(&mut s, "a", 60, 20);
+    common::add(&mut s, "b", 10, 2);
+    // "b" waits for blocks; "a" grows to 65 tokens, one more than the pool holds.
+    for _ in 0..5 {
+        step(&mut s);
+    }
+    let pending = common::schedule(&mut s); // "a" is ended, "b" admitted
+    assert_eq!(common::ids(&s, &pending.slots), ["b"]);
+    let mut upd = UpdateOutput::default();
+    let refused = s.update_from_output(pending.step_id, &[1, 2, 3], &[3], &mut upd);
+    assert!(refused.is_err() && upd.ended.is_empty());
+    let upd = common::apply(&mut s, &pending, |_| vec![7]);
+    assert_eq!(upd.ended, [error_end("a")]);
+    assert_eq!(upd.updates.len(), 1, "b's tokens, in the same update");
+    // A resumed request past the pool, with nothing running: ended at admission.
+    let mut s = small_pool();
+    common::add(&mut s, "c", 60, 20);
+    for _ in 0..5 {
+        step(&mut s);
+    }
+    s.preempt_all_running(false).unwrap();
+    let out = common::schedule(&mut s);
+    assert_eq!(
+        (out.num_reqs(), out.finished_req_ids.clone()),
+        (0, vec!["c".to_owned()])
+    );
+    let mut upd = UpdateOutput::default();
+    s.update_from_output(out.step_id, &[], &[], &mut upd)
+        .unwrap();
+    assert_eq!(upd.ended, [error_end("c")]);
+    assert_eq!(s.num_unfinished(), 0);
+}
+
 fn legal_config() -> impl Strategy<Value = SchedulerConfig> {
     (
         prop::sample::select(vec![1usize, 3, 4, 16]),
@@ -157,6 +231,7 @@ proptest! {
             }
             let out = common::schedule(&mut s);
             let upd = common::apply(&mut s, &out, |_| vec![7]);
+            prop_assert!(upd.ended.is_empty(), "{:?}", upd.ended);
             for u in &upd.updates {
                 if let Some(reason) = u.finish_reason {
                     prop_assert!(reason != FinishReason::Error);
