@@ -30,7 +30,7 @@ files = {p.name for p in res.files("dflash_rs").iterdir()}
 assert {"_core.pyi", "py.typed", "kernels"} <= files, files
 kernel_files = {p.name for p in (res.files("dflash_rs") / "kernels").iterdir()}
 assert "__init__.py" in kernel_files and len(kernel_files) > 1, kernel_files
-s = Scheduler(SchedulerConfig(num_blocks=64, speculative=SpeculativeConfig("dflash", 4)))
+s = Scheduler(SchedulerConfig(num_blocks=64, max_model_len=1008, speculative=SpeculativeConfig("dflash", 4)))
 s.add_request(Request("a", list(range(40)), max_tokens=2))
 while s.has_unfinished_requests():
     out = s.schedule()

@@ -21,6 +21,17 @@ _HASH_ALGOS = ("sha256", "blake3", "xxh3_128")
 
 
 _INT64_MAX = 2**63 - 1
+#: Block ids, token positions and counts reach the model runner as int32 (the block table,
+#: ``query_start_loc``, ...), so the fields they derive from are bounded by it (the Rust core's
+#: ``limits`` module, which also bounds the memory the tables take up front).
+_INT32_MAX = 2**31 - 1
+_INT32_FIELDS = (
+    "num_blocks",
+    "block_size",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+)
 
 
 def _check_int(config: object, name: str, minimum: int) -> None:
@@ -35,6 +46,27 @@ def _check_int(config: object, name: str, minimum: int) -> None:
         raise InvalidArgumentError(f"{name} must be <= 2**63 - 1, got {checked}")
     if checked is not value:
         object.__setattr__(config, name, checked)
+
+
+def _check_int32(name: str, value: int) -> None:
+    if value > _INT32_MAX:
+        raise InvalidArgumentError(
+            f"{name} ({value}) must be at most 2**31 - 1 = {_INT32_MAX}: block ids, token "
+            "positions and counts reach the model runner as int32"
+        )
+
+
+def _check_pool(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    """As vLLM at startup: the pool must hold one request of ``max_model_len`` tokens alone
+    (lookahead slots stop at ``max_model_len`` too), plus the null block."""
+    blocks = -(-max_model_len // block_size)
+    if num_blocks < blocks + 1:
+        raise InvalidArgumentError(
+            f"num_blocks ({num_blocks}) cannot hold one request of max_model_len "
+            f"({max_model_len}) tokens: that needs cdiv({max_model_len}, block_size "
+            f"{block_size}) = {blocks} blocks plus the null block, {blocks + 1} in all; raise "
+            "num_blocks or lower max_model_len"
+        )
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -83,6 +115,15 @@ class SchedulerConfig:
     vLLM release series (``"0.32"`` or ``"0.33"``) whose scheduler is followed where the two
     differ: when blocks are registered as outputs arrive, a stop's computed-token claim, and
     priority self-preemption.
+
+    A config is refused (``InvalidArgumentError``) when its pool cannot hold one request of
+    ``max_model_len`` tokens (``num_blocks >= cdiv(max_model_len, block_size) + 1``, the null
+    block included), as vLLM's engine refuses it at startup; when a size field is above
+    ``2**31 - 1`` (block ids and positions are int32 on the model side); or, when the scheduler
+    is built, when the tables it allocates up front (the block table and the per-block tables)
+    would exceed the machine's memory. ``pool_must_hold_max_model_len=False`` accepts the small
+    pool, as vLLM's ``Scheduler`` class does (the vLLM drop-in sets it): a request that outgrows
+    it alone is then ended with finish reason ``"error"``, reported by ``update_from_output``.
     """
 
     num_blocks: int
@@ -104,6 +145,7 @@ class SchedulerConfig:
     draft_slots_per_request: int = 0
     drop_last_hit_block: bool = False
     vllm_semantics: str = "0.33"
+    pool_must_hold_max_model_len: bool = True
 
     def __post_init__(self) -> None:
         _check_int(self, "num_blocks", 2)
@@ -119,6 +161,7 @@ class SchedulerConfig:
         _check_bool("pad_admitted_decodes", self.pad_admitted_decodes)
         _check_bool("async_scheduling", self.async_scheduling)
         _check_bool("drop_last_hit_block", self.drop_last_hit_block)
+        _check_bool("pool_must_hold_max_model_len", self.pool_must_hold_max_model_len)
         if self.vllm_semantics not in _VLLM_SEMANTICS:
             raise InvalidArgumentError(
                 f"vllm_semantics must be '0.32' or '0.33', got {self.vllm_semantics!r}"
@@ -141,6 +184,10 @@ class SchedulerConfig:
                 "without chunked prefill, max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
+        for name in _INT32_FIELDS:
+            _check_int32(name, getattr(self, name))
+        if self.pool_must_hold_max_model_len:
+            _check_pool(self.num_blocks, self.block_size, self.max_model_len)
 
     @property
     def spec_method(self) -> str:

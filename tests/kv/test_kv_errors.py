@@ -409,7 +409,22 @@ def test_bad_input_raises_and_changes_nothing(name: str) -> None:
         pytest.param((1, 4, 64), {}, InvalidArgumentError, "num_blocks", id="num-blocks-1"),
         pytest.param((0, 4, 64), {}, InvalidArgumentError, "num_blocks", id="num-blocks-0"),
         pytest.param((-1, 4, 64), {}, InvalidArgumentError, "num_blocks", id="num-blocks-neg"),
-        pytest.param((2**32, 4, 64), {}, InvalidArgumentError, "too large", id="num-blocks-2**32"),
+        pytest.param(
+            (2**32, 4, 64), {}, InvalidArgumentError, "at most 2**31 - 1", id="num-blocks-2**32"
+        ),
+        pytest.param(
+            (11, 2**31, 64), {}, InvalidArgumentError, "block_size (2147483648)", id="bs-2**31"
+        ),
+        pytest.param(
+            (11, 4, 2**31), {}, InvalidArgumentError, "max_model_len (2147483648)", id="mml-2**31"
+        ),
+        pytest.param(
+            (2**31 - 1, 2**20, 64),
+            {},
+            InvalidArgumentError,
+            "the config needs 8.0 PiB up front",
+            id="pool-beyond-memory",
+        ),
         pytest.param((11, 0, 64), {}, InvalidArgumentError, "block_size", id="block-size-0"),
         pytest.param((11, -4, 64), {}, InvalidArgumentError, "block_size", id="block-size-neg"),
         pytest.param((11, 4, 0), {}, InvalidArgumentError, "max_model_len", id="mml-0"),

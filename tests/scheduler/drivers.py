@@ -50,8 +50,17 @@ def make_scheduler(
     k: int = 0,
     **kwargs: Any,
 ) -> Scheduler:
+    """A scheduler of ``num_blocks`` blocks. Unless given, ``max_model_len`` is the longest
+    sequence the pool holds, up to vLLM's 8192: a pool that cannot hold one ``max_model_len``
+    request is refused."""
     speculative = None if method is None else SpeculativeConfig(method, k)
+    kwargs.setdefault("max_model_len", pool_max_model_len(num_blocks, kwargs.get("block_size", 16)))
     return Scheduler(SchedulerConfig(num_blocks, speculative=speculative, **kwargs))
+
+
+def pool_max_model_len(num_blocks: int, block_size: int = 16) -> int:
+    """The longest ``max_model_len`` a pool holds (the null block excluded), up to 8192."""
+    return min(8192, max(2, (num_blocks - 1) * block_size))
 
 
 def make_requests(

@@ -48,7 +48,7 @@ def make(
         SchedulerConfig(
             num_blocks,
             block_size=BS,
-            max_model_len=256,
+            max_model_len=min(256, (num_blocks - 1) * BS),  # what the pool holds
             speculative=speculative,
             async_scheduling=async_scheduling,
             **kwargs,
@@ -284,9 +284,9 @@ def test_preempted_request_is_passed_over_until_its_stale_output_arrives() -> No
 
 def test_async_scheduling_must_be_a_bool() -> None:
     with pytest.raises(InvalidArgumentError, match="async_scheduling"):
-        SchedulerConfig(64, async_scheduling="yes")  # type: ignore[arg-type]
+        SchedulerConfig(64, max_model_len=1008, async_scheduling="yes")  # type: ignore[arg-type]
     # A config object that skips the dataclass's checks is checked by the bindings too.
-    fields = dataclasses.asdict(SchedulerConfig(64))
+    fields = dataclasses.asdict(SchedulerConfig(64, max_model_len=1008))
     fields["async_scheduling"] = "yes"
     with pytest.raises(InvalidArgumentError, match=r"config\.async_scheduling must be a bool"):
         Scheduler(SimpleNamespace(**fields))

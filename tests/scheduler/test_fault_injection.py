@@ -28,7 +28,11 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def sched() -> Iterator[Scheduler]:
-    s = Scheduler(SchedulerConfig(num_blocks=200, speculative=SpeculativeConfig("dflash", 4)))
+    s = Scheduler(
+        SchedulerConfig(
+            num_blocks=200, max_model_len=1024, speculative=SpeculativeConfig("dflash", 4)
+        )
+    )
     for i in range(8):
         s.add_request(Request(f"r{i}", np.arange(30, dtype=np.int32) + i, 20))
     yield s
@@ -86,7 +90,7 @@ def test_internal_panic_becomes_an_exception_and_the_scheduler_stops(sched: Sche
         with pytest.raises(SchedulerStateError, match="stopped after an internal error"):
             call()
     # Other schedulers in the process are unaffected.
-    other = Scheduler(SchedulerConfig(num_blocks=50))
+    other = Scheduler(SchedulerConfig(num_blocks=50, max_model_len=512))
     other.add_request(Request("x", [1, 2, 3], 2))
     while other.has_unfinished_requests():
         _step(other)

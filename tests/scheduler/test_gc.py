@@ -55,7 +55,7 @@ def test_scheduler_is_weakly_referenceable() -> None:
 
 
 def test_cycle_through_a_duck_config_is_collected() -> None:
-    config = SimpleNamespace(**vars(SchedulerConfig(20)))
+    config = SimpleNamespace(**vars(SchedulerConfig(20, max_model_len=128)))
     sched = _with_requests(Scheduler(config))
     config.engine = _Holder(sched)  # scheduler -> config -> holder -> scheduler
     refs = [weakref.ref(sched), weakref.ref(config.engine)]
@@ -64,7 +64,7 @@ def test_cycle_through_a_duck_config_is_collected() -> None:
 
 
 def test_cycle_through_a_config_subclass_is_collected() -> None:
-    config = _EngineConfig(20)
+    config = _EngineConfig(20, max_model_len=128)
     sched = _with_requests(Scheduler(config))
     config.listeners.append(sched)
     ref = weakref.ref(sched)
@@ -73,7 +73,7 @@ def test_cycle_through_a_config_subclass_is_collected() -> None:
 
 
 def test_a_live_scheduler_survives_collections() -> None:
-    config = _EngineConfig(20)
+    config = _EngineConfig(20, max_model_len=128)
     sched = Scheduler(config)
     sched.add_request(Request("a", [1, 2, 3], 4))
     sched.add_request(Request("b", [4, 5], 4))

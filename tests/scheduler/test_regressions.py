@@ -17,6 +17,7 @@ def test_undone_priority_victim_leaves_no_uncomputed_prefix_in_the_cache() -> No
         SchedulerConfig(
             num_blocks=8,
             block_size=16,
+            max_model_len=112,
             max_num_batched_tokens=200,
             long_prefill_token_threshold=32,
             policy="priority",
@@ -59,20 +60,53 @@ def test_prompt_of_exactly_max_model_len_finishes_under_chunked_prefill() -> Non
 
 def test_request_that_outgrows_the_whole_pool_ends_instead_of_preempting_itself_forever() -> None:
     # 4 usable blocks = 64 slots; the request needs more as it decodes. Alone in the pool and
-    # still short, it is ended with an error rather than preempting itself on every step.
-    sched = Scheduler(SchedulerConfig(num_blocks=5, block_size=16, max_model_len=128))
+    # still short, it is ended with an error rather than preempting itself on every step, and
+    # update_from_output says so. Such a pool is refused unless pool_must_hold_max_model_len
+    # is off (vLLM's Scheduler class semantics, which the vLLM drop-in follows).
+    sched = Scheduler(
+        SchedulerConfig(
+            num_blocks=5, block_size=16, max_model_len=128, pool_must_hold_max_model_len=False
+        )
+    )
     sched.add_request(Request("r", [7] * 60, max_tokens=20))
     finished: set = set()
+    reasons = []
     for _ in range(40):
         out = sched.schedule()
         finished |= out.finished_req_ids
         sched.check_invariants()
-        sched.update_from_output(out, _outputs_for(out))
+        results = sched.update_from_output(out, _outputs_for(out))
+        reasons += [(r.request_id, r.finish_reason) for r in results if r.finished]
         if not sched.has_unfinished_requests():
             break
     finished |= sched.schedule().finished_req_ids
     assert not sched.has_unfinished_requests()
     assert finished == {"r"}
+    assert reasons == [("r", "error")]
+    assert sched.stats()["num_preemptions"] == 0
+    assert sched.num_free_blocks == 4
+
+
+def test_request_that_would_outgrow_the_pool_is_refused_with_its_config() -> None:
+    # By default the pool above is refused, as vLLM's engine refuses it at startup; with the
+    # max_model_len it holds, the same request stops at the length limit: no preemption, no
+    # error.
+    import pytest
+
+    from dflash_rs import InvalidArgumentError
+
+    with pytest.raises(
+        InvalidArgumentError, match=r"that needs cdiv\(128, block_size 16\) = 8 blocks"
+    ):
+        SchedulerConfig(num_blocks=5, block_size=16, max_model_len=128)
+    sched = Scheduler(SchedulerConfig(num_blocks=5, block_size=16, max_model_len=64))
+    sched.add_request(Request("r", [7] * 60, max_tokens=20))
+    reasons = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        sched.check_invariants()
+        reasons += [r.finish_reason for r in sched.update_from_output(out, _outputs_for(out))]
+    assert reasons[-1] == "length" and reasons.count(None) == len(reasons) - 1
     assert sched.stats()["num_preemptions"] == 0
     assert sched.num_free_blocks == 4
 
@@ -82,8 +116,26 @@ def test_prompt_larger_than_the_pool_is_refused_at_admission() -> None:
 
     from dflash_rs import OutOfBlocksError
 
-    sched = Scheduler(SchedulerConfig(num_blocks=5, block_size=16, max_model_len=128))
+    sched = Scheduler(
+        SchedulerConfig(
+            num_blocks=5, block_size=16, max_model_len=128, pool_must_hold_max_model_len=False
+        )
+    )
     with pytest.raises(OutOfBlocksError, match="needs 5 KV blocks but the pool has only 4"):
+        sched.add_request(Request("big", [7] * 65, max_tokens=1))
+    assert sched.get_num_unfinished_requests() == 0
+    sched.check_invariants()
+
+
+def test_prompt_larger_than_the_pool_is_refused_as_too_long() -> None:
+    # A prompt larger than the pool is larger than max_model_len once the pool holds one
+    # max_model_len request: it is refused as too long, before the pool is consulted.
+    import pytest
+
+    from dflash_rs import PromptTooLongError
+
+    sched = Scheduler(SchedulerConfig(num_blocks=5, block_size=16, max_model_len=64))
+    with pytest.raises(PromptTooLongError, match="prompt of 65 tokens exceeds max_model_len 64"):
         sched.add_request(Request("big", [7] * 65, max_tokens=1))
     assert sched.get_num_unfinished_requests() == 0
     sched.check_invariants()
@@ -94,7 +146,7 @@ def test_request_outputs_stay_out_of_the_garbage_collector() -> None:
     # collections every step at 1,000 requests. They hold only a str and Rust data (no cycles).
     import gc
 
-    sched = Scheduler(SchedulerConfig(num_blocks=64))
+    sched = Scheduler(SchedulerConfig(num_blocks=64, max_model_len=1008))
     sched.add_request(Request("a", [1, 2, 3], 4))
     out = sched.schedule()
     (result,) = sched.update_from_output(out, _outputs_for(out))
@@ -112,7 +164,11 @@ def test_prompt_whose_lookahead_overflows_the_pool_is_refused_at_admission() -> 
 
     sched = Scheduler(
         SchedulerConfig(
-            num_blocks=12, block_size=1, max_model_len=64, speculative=SpeculativeConfig("eagle", 1)
+            num_blocks=12,
+            block_size=1,
+            max_model_len=64,
+            speculative=SpeculativeConfig("eagle", 1),
+            pool_must_hold_max_model_len=False,
         )
     )
     with pytest.raises(OutOfBlocksError, match="plus 1 lookahead slots needs 12 KV blocks"):
@@ -123,3 +179,27 @@ def test_prompt_whose_lookahead_overflows_the_pool_is_refused_at_admission() -> 
         assert list(out.req_ids) == ["fits"], "the request that fits is served"
         sched.update_from_output(out, _outputs_for(out))
     sched.check_invariants()
+
+
+def test_prompt_of_max_model_len_with_lookahead_fits_the_smallest_legal_pool() -> None:
+    # Found by the scheduler fuzz target ("stuck-pool"): 11 usable 1-token blocks, EAGLE K=1, an
+    # 11-token prompt whose last prefill step also writes one lookahead slot used to block the
+    # queue forever (max_model_len 64). Such a pool is refused now; in the smallest legal one,
+    # max_model_len 11, the lookahead stops at max_model_len and the prompt is served.
+    import pytest
+
+    from dflash_rs import InvalidArgumentError, SpeculativeConfig
+
+    eagle = SpeculativeConfig("eagle", 1)
+    with pytest.raises(InvalidArgumentError, match="65 in all"):
+        SchedulerConfig(num_blocks=12, block_size=1, max_model_len=64, speculative=eagle)
+    sched = Scheduler(
+        SchedulerConfig(num_blocks=12, block_size=1, max_model_len=11, speculative=eagle)
+    )
+    sched.add_request(Request("big", list(range(1, 12)), max_tokens=2))
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        assert list(out.req_ids) == ["big"], "the request that fills max_model_len is served"
+        sched.check_invariants()
+        sched.update_from_output(out, _outputs_for(out))
+    assert sched.stats()["num_preemptions"] == 0 and sched.num_free_blocks == 11

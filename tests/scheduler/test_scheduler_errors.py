@@ -1060,6 +1060,14 @@ def _config_without(name: str) -> SimpleNamespace:
     return SimpleNamespace(**fields)
 
 
+_INT32_FIELDS = (
+    "num_blocks",
+    "block_size",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+)
+
 CONFIG_CASES: Dict[str, Tuple[Callable[[], Any], Type[BaseException], str]] = {
     "num_blocks 1": (lambda: SchedulerConfig(1), InvalidArgumentError, "num_blocks must be >= 2"),
     "num_blocks 0": (lambda: SchedulerConfig(0), InvalidArgumentError, "num_blocks must be >= 2"),
@@ -1253,10 +1261,47 @@ CONFIG_CASES: Dict[str, Tuple[Callable[[], Any], Type[BaseException], str]] = {
         InvalidArgumentError,
         "config.num_blocks = 1180591620717411303424 is out of range",
     ),
-    "num_blocks 2**32 (block ids are u32)": (
+    "num_blocks 2**32 (block ids are int32)": (
         lambda: Scheduler(SchedulerConfig(2**32)),
         InvalidArgumentError,
-        "num_blocks 4294967296 is too large",
+        "num_blocks (4294967296) must be at most 2**31 - 1",
+    ),
+    # Every size field is int32 on the model side; the duck configs reach the core's own check.
+    **{
+        f"{field} above int32{duck}": (
+            lambda field=field, duck=duck: (
+                Scheduler(_config_fields(**{field: 2**31}))
+                if duck
+                else SchedulerConfig(**{"num_blocks": 64, "max_model_len": 1024, field: 2**31})
+            ),
+            InvalidArgumentError,
+            f"{field} (2147483648) must be at most 2**31 - 1 = 2147483647: block ids, token "
+            "positions and counts reach the model runner as int32",
+        )
+        for field in _INT32_FIELDS
+        for duck in ("", " (duck)")
+    },
+    "the issue's max_model_len 2**40": (
+        lambda: SchedulerConfig(num_blocks=64, max_model_len=2**40, max_num_seqs=8),
+        InvalidArgumentError,
+        "max_model_len (1099511627776) must be at most 2**31 - 1",
+    ),
+    "pool cannot hold one max_model_len request": (
+        lambda: SchedulerConfig(64, max_model_len=2048),
+        InvalidArgumentError,
+        "num_blocks (64) cannot hold one request of max_model_len (2048) tokens: that needs "
+        "cdiv(2048, block_size 16) = 128 blocks plus the null block, 129 in all",
+    ),
+    "pool one block short of one max_model_len request (duck)": (
+        lambda: Scheduler(_config_fields(num_blocks=4, max_model_len=64)),
+        InvalidArgumentError,
+        "num_blocks (4) cannot hold one request of max_model_len (64) tokens: that needs "
+        "cdiv(64, block_size 16) = 4 blocks plus the null block, 5 in all",
+    ),
+    "pool short of the default max_model_len": (
+        lambda: SchedulerConfig(10),
+        InvalidArgumentError,
+        "num_blocks (10) cannot hold one request of max_model_len (8192) tokens",
     ),
     "block_size negative": (
         lambda: SchedulerConfig(10, block_size=-16),
@@ -1319,7 +1364,7 @@ CONFIG_CASES: Dict[str, Tuple[Callable[[], Any], Type[BaseException], str]] = {
         "policy must be 'fcfs' or 'priority', got None",
     ),
     "hash_seed float": (
-        lambda: Scheduler(SchedulerConfig(10, hash_seed=1.5)),
+        lambda: Scheduler(SchedulerConfig(10, max_model_len=64, hash_seed=1.5)),
         InvalidArgumentError,
         "hash_seed must be str, bytes, int or None",
     ),
@@ -1405,7 +1450,7 @@ CONFIG_CASES: Dict[str, Tuple[Callable[[], Any], Type[BaseException], str]] = {
         'config.speculative has no attribute "num_speculative_tokens"',
     ),
     "hash_seed bool": (
-        lambda: Scheduler(SchedulerConfig(10, hash_seed=True)),
+        lambda: Scheduler(SchedulerConfig(10, max_model_len=128, hash_seed=True)),
         ArgumentTypeError,
         "hash_seed must be str, bytes, int or None, got bool",
     ),
@@ -1510,8 +1555,9 @@ def test_integer_arrays_of_every_dtype(dtype: str) -> None:
 
 def test_prompt_larger_than_the_pool_changes_nothing() -> None:
     """A prompt that needs more blocks than the whole pool is refused at admission, also while
-    other requests hold blocks, and the refusal changes nothing."""
-    sched = make_scheduler(6, block_size=4, max_model_len=MML)
+    other requests hold blocks, and the refusal changes nothing. (Only a pool smaller than one
+    max_model_len request has such prompts: a default config refuses that pool.)"""
+    sched = make_scheduler(6, block_size=4, max_model_len=MML, pool_must_hold_max_model_len=False)
     sched.add_request(Request("small", [1, 2, 3, 4, 5], 8))
     out = sched.schedule()
     sched.update_from_output(out, ModelRunnerOutput(out.req_ids, [[6]]))
@@ -1555,32 +1601,96 @@ def test_non_power_of_two_block_size_is_supported() -> None:
     sched.check_invariants()
 
 
-_HUGE_TABLE = """
-import sys
-from dflash_rs import InvalidArgumentError, Scheduler, SchedulerConfig
+_OVERSIZED = """
+import resource, sys, time
+from dflash_rs import InvalidArgumentError, KVCacheManager, Scheduler, SchedulerConfig
+
+def peak_mib():
+    # This process's peak RSS: VmHWM restarts at exec, unlike ru_maxrss (the parent's counts).
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(l.split()[1]) for l in status if l.startswith("VmHWM:")) // 1024
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
+def bypass(**fields):
+    # Past the Python wrapper's own checks, to the core's.
+    config = SchedulerConfig(num_blocks=64, max_model_len=1008)
+    for name, value in fields.items():
+        object.__setattr__(config, name, value)
+    return config
+
+start = time.perf_counter()
 try:
-    Scheduler(SchedulerConfig(10, {kwargs}))
+    {call}
 except InvalidArgumentError as exc:
     print("InvalidArgumentError:", exc)
+    print("seconds", time.perf_counter() - start)
+    print("peak_mib", peak_mib())
     sys.exit(0)
+print("accepted after", time.perf_counter() - start, "s with a peak of", peak_mib(), "MiB")
 sys.exit(3)
 """
 
+_I32 = 2**31 - 1
 
-@pytest.mark.parametrize("kwargs", ["max_model_len=2**40", "max_num_seqs=2**40"])
-def test_block_table_too_large_raises_instead_of_aborting(kwargs: str) -> None:
-    """A config whose [max_num_seqs, cdiv(max_model_len, block_size)] block table cannot be
-    allocated raises InvalidArgumentError. Run in a child process with a 4 GiB address-space
-    limit, so a regression to an aborting allocation cannot take the test session down."""
+#: Configs whose tables cannot (or may not) be allocated: the call, and what the error says.
+OVERSIZED: Dict[str, Tuple[str, str]] = {
+    "the issue's repro": (
+        "Scheduler(SchedulerConfig(num_blocks=64, max_model_len=2**40, max_num_seqs=8))",
+        "max_model_len (1099511627776) must be at most 2**31 - 1",
+    ),
+    **{
+        f"{field} above int32 (core)": (
+            f"Scheduler(bypass({field}=2**40))",
+            f"{field} (1099511627776) must be at most 2**31 - 1",
+        )
+        for field in _INT32_FIELDS
+    },
+    # A 2 GiB table that the old code zero-filled for a pool that holds 1008 tokens.
+    "max_model_len beyond the pool (core)": (
+        f"Scheduler(bypass(max_model_len={_I32}, max_num_seqs=4))",
+        f"num_blocks (64) cannot hold one request of max_model_len ({_I32}) tokens",
+    ),
+    "block table beyond memory": (
+        f"Scheduler(SchedulerConfig(num_blocks=2**21 + 1, block_size=1024, "
+        f"max_model_len={_I32}, max_num_seqs={_I32}))",
+        f"the block table (max_num_seqs = {_I32} rows of cdiv(max_model_len = {_I32}, "
+        "block_size = 1024) = 2097152 int32 entries) takes 16.0 PiB",
+    ),
+    "pool beyond memory": (
+        f"Scheduler(SchedulerConfig(num_blocks={_I32}, block_size=2**20, max_model_len=2**20, "
+        "max_num_seqs=1))",
+        f"the pool's per-block tables (num_blocks = {_I32} blocks, each with a copy of its "
+        "block_size = 1048576 tokens) take 8.0 PiB",
+    ),
+    "KVCacheManager pool beyond memory": (
+        f"KVCacheManager({_I32}, 2**20, 2**20)",
+        "the config needs 8.0 PiB up front, more than the",
+    ),
+    "KVCacheManager num_blocks above int32": (
+        "KVCacheManager(2**31, 16, 1024)",
+        "num_blocks (2147483648) must be at most 2**31 - 1",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(OVERSIZED))
+def test_oversized_config_raises_before_allocating(name: str) -> None:
+    """A config whose up-front tables are out of bounds raises InvalidArgumentError naming the
+    fields and the size, at once and without touching the memory (peak RSS of the child). Run
+    in a child process with an 8 GiB address-space limit, so that a regression cannot take the
+    session down."""
     import resource
     import subprocess
     import sys
 
     def limit_memory() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
+    call, fragment = OVERSIZED[name]
     done = subprocess.run(
-        [sys.executable, "-c", _HUGE_TABLE.format(kwargs=kwargs)],
+        [sys.executable, "-c", _OVERSIZED.format(call=call)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -1589,8 +1699,11 @@ def test_block_table_too_large_raises_instead_of_aborting(kwargs: str) -> None:
     )
     if "Traceback" in done.stderr:  # a Python error in the child is not the failure expected
         raise RuntimeError(done.stderr)
-    assert done.returncode == 0, (done.returncode, done.stderr[-300:])
-    assert "InvalidArgumentError: cannot allocate block table" in done.stdout
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-300:])
+    assert fragment in done.stdout
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines()[1:])
+    assert float(lines["seconds"]) < 1.0, done.stdout
+    assert int(lines["peak_mib"]) < 300, done.stdout
 
 
 class _RaisingIndex:

@@ -48,7 +48,7 @@ def _admitted_blocks(s: Scheduler, requests: list[Request]) -> dict[str, list[in
 @pytest.mark.parametrize("key", ["cache_salt", "lora_name"])
 def test_identical_tokens_under_different_tenants_get_different_blocks(key: str) -> None:
     prompt = list(range(100, 100 + 5 * BS))
-    s = Scheduler(SchedulerConfig(num_blocks=200, block_size=BS))
+    s = Scheduler(SchedulerConfig(num_blocks=200, block_size=BS, max_model_len=(200 - 1) * BS))
     first = Request("a", prompt, 4, **{key: "tenant-1"})
     s.add_request(first)
     _run_to_completion(s)  # a's full blocks stay in the prefix cache
@@ -135,6 +135,7 @@ def _collision_workload(verify: bool) -> None:
     config = SchedulerConfig(
         num_blocks=400,
         block_size=BS,
+        max_model_len=4096,
         max_num_seqs=16,
         max_num_batched_tokens=512,
         speculative=SpeculativeConfig("dflash", 3),
@@ -189,7 +190,9 @@ def test_the_same_workload_shares_kv_across_tenants_without_verification() -> No
 
 
 def test_verify_switch_is_a_validated_config_field() -> None:
-    assert SchedulerConfig(num_blocks=8).verify_prefix_hits is True
+    assert SchedulerConfig(num_blocks=8, max_model_len=112).verify_prefix_hits is True
     with pytest.raises(ValueError, match="verify_prefix_hits"):
-        SchedulerConfig(num_blocks=8, verify_prefix_hits="yes")  # type: ignore[arg-type]
-    assert dataclasses.replace(SchedulerConfig(num_blocks=8), verify_prefix_hits=False)
+        SchedulerConfig(num_blocks=8, max_model_len=112, verify_prefix_hits="yes")  # type: ignore[arg-type]
+    assert dataclasses.replace(
+        SchedulerConfig(num_blocks=8, max_model_len=112), verify_prefix_hits=False
+    )

@@ -34,7 +34,10 @@ def build_scheduler_config(args, spec: str, num_blocks: int, max_num_seqs: int):
     return d.SchedulerConfig(
         num_blocks=num_blocks,
         block_size=args.block_size,
-        max_model_len=args.max_model_len,
+        # At most what the pool holds (a smaller pool is refused, as vLLM's engine refuses it;
+        # the harness drives vLLM's Scheduler class, which does not check). Every request of
+        # the workload fits the pool, so the cap changes no schedule.
+        max_model_len=min(args.max_model_len, (num_blocks - 1) * args.block_size),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=True,

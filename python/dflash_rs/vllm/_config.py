@@ -285,6 +285,9 @@ def translate_config(
         # vLLM's AsyncScheduler semantics (output placeholders) when the engine overlaps steps.
         async_scheduling=bool(sched.async_scheduling),
         drop_last_hit_block=_drops_last_hit_block(vllm_config),
+        # vLLM's Scheduler accepts a pool smaller than one max_model_len request (its engine
+        # too, with num_gpu_blocks_override); such a request is ended with an error instead.
+        pool_must_hold_max_model_len=False,
         vllm_semantics=installed().name,
         draft_slots_per_request=(
             vllm_config.speculative_config.max_num_new_slots_for_drafting if speculative else 0

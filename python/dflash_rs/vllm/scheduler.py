@@ -426,7 +426,10 @@ class _Results(NamedTuple):
     def of(cls, update: Any, req_ids: list[str], sampled: list[list[int]]) -> _Results:
         """From the core's flat ``UpdateResult``. A request's new tokens are the first ones of
         what it sampled (the rest were cut by a stop), so the runner's own lists are handed on,
-        as vLLM's scheduler does, instead of one new list per request."""
+        as vLLM's scheduler does, instead of one new list per request. The finished lists also
+        name the requests the core ended on its own (no batch entry, reason "error"); only the
+        batch's entries are read from ``finished``: ``schedule()`` already turned those ends
+        into their error outputs, when the step reported them finished."""
         index = update.batch_index.tolist()
         counts = update.num_new_tokens.tolist()
         ids = [req_ids[i] for i in index]

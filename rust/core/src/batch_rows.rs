@@ -17,6 +17,12 @@ pub struct BatchRows {
 }
 
 impl BatchRows {
+    /// Bytes [`Self::new`] allocates for `max_rows` rows of `width` blocks.
+    pub fn bytes_for(max_rows: usize, width: usize) -> u128 {
+        BlockTable::bytes_for(max_rows, width)
+            .saturating_add(max_rows as u128 * std::mem::size_of::<u32>() as u128)
+    }
+
     /// Rows for up to `max_rows` running requests, `width` blocks each.
     pub fn new(max_rows: usize, width: usize) -> CoreResult<Self> {
         let table = BlockTable::new(max_rows, width)?;

@@ -69,6 +69,20 @@ impl BlockPool {
         })
     }
 
+    /// Bytes a pool of `num_blocks` blocks of `block_size` tokens allocates at construction,
+    /// hit verification on (its token copies exist only with caching).
+    pub fn bytes_for(num_blocks: usize, block_size: usize, caching: bool) -> u128 {
+        let records = num_blocks as u128 * std::mem::size_of::<BlockMeta>() as u128;
+        let cache = if caching {
+            PrefixMap::bytes_for(num_blocks) + Provenance::bytes_for(num_blocks, block_size)
+        } else {
+            0
+        };
+        records
+            .saturating_add(FreeQueue::bytes_for(num_blocks))
+            .saturating_add(cache)
+    }
+
     /// Turns verification of prefix-cache hits on (blocks of `block_size` tokens) or off. Only
     /// while nothing is cached; verification is what keeps a hash collision from sharing KV
     /// across prefixes or tenants (see [`crate::provenance`]).

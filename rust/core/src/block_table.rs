@@ -74,6 +74,14 @@ pub struct BlockTable {
 }
 
 impl BlockTable {
+    /// Bytes [`Self::new`] allocates for `num_rows` rows of `width` entries.
+    pub fn bytes_for(num_rows: usize, width: usize) -> u128 {
+        let entries = (num_rows as u128)
+            .saturating_mul(width as u128)
+            .saturating_add(num_rows as u128);
+        entries.saturating_mul(std::mem::size_of::<i32>() as u128)
+    }
+
     /// A zeroed table.
     pub fn new(num_rows: usize, width: usize) -> CoreResult<Self> {
         let len = num_rows.checked_mul(width).ok_or_else(|| {

@@ -2,6 +2,7 @@
 
 use crate::error::{invalid, CoreResult};
 use crate::hashing::HashAlgo;
+use crate::limits;
 use crate::lookahead::{LookaheadPolicy, SpecMethod};
 use crate::queue::Policy;
 use crate::semantics::VllmSemantics;
@@ -58,6 +59,11 @@ pub struct SchedulerConfig {
     pub drop_last_hit_block: bool,
     /// The vLLM release series followed where their schedulers differ (0.33 by default).
     pub vllm_semantics: VllmSemantics,
+    /// Refuse a pool that cannot hold one `max_model_len` request (default), as vLLM's engine
+    /// does at startup. False accepts it, as vLLM's `Scheduler` class does (and its engine with
+    /// `num_gpu_blocks_override`): a request that outgrows such a pool alone is ended with
+    /// [`crate::FinishReason::Error`]. The vLLM drop-in turns it off.
+    pub pool_must_hold_max_model_len: bool,
 }
 
 impl SchedulerConfig {
@@ -90,11 +96,53 @@ impl SchedulerConfig {
             draft_slots_per_request: 0,
             drop_last_hit_block: false,
             vllm_semantics: VllmSemantics::V0_33,
+            pool_must_hold_max_model_len: true,
         }
     }
 
-    /// Rejects inconsistent settings.
+    /// Rejects inconsistent settings, and settings beyond the bounds of [`crate::limits`]
+    /// (int32 fields; tables allocated up front within the machine's memory), before anything
+    /// is allocated.
     pub fn validate(&self) -> CoreResult<()> {
+        self.validate_fields()?;
+        self.validate_pool()?;
+        limits::check_scheduler_memory(
+            self.num_blocks,
+            self.block_size,
+            self.max_model_len,
+            self.max_num_seqs,
+            self.enable_prefix_caching,
+        )
+    }
+
+    /// Blocks a pool needs to hold one request of `max_model_len` tokens: its
+    /// `cdiv(max_model_len, block_size)` blocks plus the null block. The lookahead needs none
+    /// more: every allocation stops at `max_model_len`, lookahead slots included.
+    pub fn min_num_blocks(&self) -> usize {
+        self.block_table_width() + 1
+    }
+
+    /// Refuses a pool that cannot hold one `max_model_len` request, as vLLM does at startup: a
+    /// request that grows to `max_model_len` would never fit, not even alone (unless
+    /// `pool_must_hold_max_model_len` is off).
+    fn validate_pool(&self) -> CoreResult<()> {
+        let needed = self.min_num_blocks();
+        if self.pool_must_hold_max_model_len && self.num_blocks < needed {
+            return Err(invalid!(
+                "num_blocks ({}) cannot hold one request of max_model_len ({}) tokens: that needs \
+                 cdiv({}, block_size {}) = {} blocks plus the null block, {needed} in all; raise \
+                 num_blocks or lower max_model_len",
+                self.num_blocks,
+                self.max_model_len,
+                self.max_model_len,
+                self.block_size,
+                needed - 1
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_fields(&self) -> CoreResult<()> {
         if self.num_blocks < 2 {
             return Err(invalid!(
                 "num_blocks must be at least 2 (block 0 is reserved), got {}",
@@ -115,6 +163,15 @@ impl SchedulerConfig {
         }
         if self.max_num_batched_tokens == 0 {
             return Err(invalid!("max_num_batched_tokens must be positive"));
+        }
+        for (field, value) in [
+            ("num_blocks", self.num_blocks),
+            ("block_size", self.block_size),
+            ("max_model_len", self.max_model_len),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+        ] {
+            limits::check_int32(field, value)?;
         }
         if self.draft_slots_per_request >= self.max_num_batched_tokens {
             return Err(invalid!(

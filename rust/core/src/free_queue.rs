@@ -35,6 +35,13 @@ impl FreeQueue {
         Self::try_new(num_blocks, initial).expect("out of memory for the free queue")
     }
 
+    /// Bytes [`Self::try_new`] allocates for `num_blocks` blocks.
+    pub fn bytes_for(num_blocks: usize) -> u128 {
+        let n = num_blocks as u128;
+        let ring = (2 * n).max(2).next_power_of_two();
+        (ring + n) * std::mem::size_of::<u32>() as u128
+    }
+
     /// Like [`Self::new`], but reports an allocation failure instead of aborting.
     pub fn try_new(num_blocks: usize, initial: impl IntoIterator<Item = u32>) -> CoreResult<Self> {
         let capacity = (2 * num_blocks).max(2).next_power_of_two();

@@ -89,7 +89,8 @@ pub fn cdiv(a: usize, b: usize) -> usize {
 }
 
 impl KvCacheManager {
-    /// A manager over `num_blocks` blocks of `block_size` tokens.
+    /// A manager over `num_blocks` blocks of `block_size` tokens; refuses a pool beyond the
+    /// bounds of [`crate::limits::check_pool`] before allocating it.
     pub fn new(
         num_blocks: usize,
         block_size: usize,
@@ -102,6 +103,7 @@ impl KvCacheManager {
         if max_model_len == 0 {
             return Err(invalid!("max_model_len must be positive"));
         }
+        crate::limits::check_pool(num_blocks, block_size, max_model_len, enable_caching)?;
         let mut pool = BlockPool::new(num_blocks, enable_caching)?;
         pool.set_verify_hits(Some(block_size))?;
         Ok(Self {

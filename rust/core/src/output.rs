@@ -99,6 +99,16 @@ pub struct RequestUpdate {
     pub stop_token: Option<u32>,
 }
 
+/// A request the scheduler ended on its own outside an update (one the pool can never hold),
+/// reported by the next `update_from_output`, as an update reports a stop.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndedRequest {
+    /// The request's id (its slot may already serve another request).
+    pub request_id: String,
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+}
+
 /// What `update_from_output` produced.
 #[derive(Debug, Clone, Default)]
 pub struct UpdateOutput {
@@ -106,4 +116,7 @@ pub struct UpdateOutput {
     pub updates: Vec<RequestUpdate>,
     /// Accepted new tokens of every request, flat.
     pub new_token_ids: Vec<u32>,
+    /// Requests the scheduler ended on its own since the previous update, each reported once,
+    /// in the order they ended. They have no entry in `updates`.
+    pub ended: Vec<EndedRequest>,
 }

@@ -64,6 +64,15 @@ pub struct PrefixMap {
 }
 
 impl PrefixMap {
+    /// Bytes [`Self::try_new`] allocates for `num_blocks` blocks.
+    pub fn bytes_for(num_blocks: usize) -> u128 {
+        let num_buckets = match num_blocks {
+            0 => 0,
+            n => (n as u128).next_power_of_two(),
+        };
+        num_buckets * std::mem::size_of::<Chain>() as u128
+    }
+
     /// An empty map for a pool of `num_blocks` blocks, or an error instead of an abort when
     /// memory runs out. `num_blocks == 0` makes a map that is never used (caching off).
     pub fn try_new(num_blocks: usize) -> CoreResult<Self> {

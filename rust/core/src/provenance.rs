@@ -34,6 +34,13 @@ pub struct Provenance {
 }
 
 impl Provenance {
+    /// Bytes [`Self::try_new`] allocates for `num_blocks` blocks of `block_size` tokens.
+    pub fn bytes_for(num_blocks: usize, block_size: usize) -> u128 {
+        (num_blocks as u128)
+            .saturating_mul(block_size as u128)
+            .saturating_mul(std::mem::size_of::<u32>() as u128)
+    }
+
     /// Room for `num_blocks` blocks of `block_size` tokens.
     pub fn try_new(num_blocks: usize, block_size: usize) -> CoreResult<Self> {
         let num_tokens = num_blocks.saturating_mul(block_size);

@@ -19,7 +19,9 @@ use std::sync::Arc;
 const BS: usize = 16;
 
 fn config(method: SpecMethod, k: usize, num_blocks: usize) -> SchedulerConfig {
-    let mut c = SchedulerConfig::new(num_blocks, BS, 256, 8, 128);
+    // max_model_len: at most what the pool holds (a smaller pool is refused).
+    let max_model_len = 256.min((num_blocks - 1) * BS);
+    let mut c = SchedulerConfig::new(num_blocks, BS, max_model_len, 8, 128);
     c.spec_method = method;
     c.num_speculative_tokens = k;
     c.async_scheduling = true;

@@ -179,6 +179,7 @@ fn correct_policy_passes_the_boundary_workload() {
 fn tiny_pool_preempts_and_stays_correct() {
     let mut w = boundary_workload();
     w.num_blocks = 11;
+    w.max_model_len = 10 * w.block_size; // what the pool holds
     w.prompts = (0..8)
         .map(|i| (0..30).map(|t| t + i * 1000).collect())
         .collect();

@@ -232,6 +232,9 @@ pub fn build_config(c: &SchedConfig) -> SchedulerConfig {
         _ => 1 + usize::from(c.budget) * 2,
     };
     let mut config = SchedulerConfig::new(num_blocks, bs, max_model_len, max_num_seqs, budget);
+    // The harness explores pools smaller than one max_model_len request too (vLLM's Scheduler
+    // class semantics, which the vLLM drop-in follows), where a request can outgrow the pool.
+    config.pool_must_hold_max_model_len = false;
     config.enable_prefix_caching = c.flags & 1 == 0;
     config.enable_chunked_prefill = c.flags & 2 == 0;
     if !config.enable_chunked_prefill {

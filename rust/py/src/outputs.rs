@@ -341,6 +341,18 @@ pub struct PyRequestOutput {
     pub stop_reason: Option<u32>,
 }
 
+impl PyRequestOutput {
+    /// The final output of a request the scheduler ended on its own: no tokens, its reason.
+    pub fn ended(py: Python<'_>, ended: &dflash_core::EndedRequest) -> Self {
+        Self {
+            request_id: PyString::new(py, &ended.request_id).unbind(),
+            new_tokens: Vec::new(),
+            finish_reason: Some(ended.finish_reason.name()),
+            stop_reason: None,
+        }
+    }
+}
+
 #[pymethods]
 impl PyRequestOutput {
     /// Tokens accepted in this step (accepted drafts + bonus, cut at a stop).
@@ -367,7 +379,9 @@ impl PyRequestOutput {
 }
 
 /// The result of `update_from_output_arrays`: the same update as `update_from_output`, as flat
-/// arrays. Entry `j` is the `j`-th request that received tokens, in batch order.
+/// arrays. Entry `j` is the `j`-th request that received tokens, in batch order. Requests the
+/// scheduler ended on its own since the previous update have no entry; they close the
+/// finished lists.
 #[pyclass(module = "dflash_rs._core", name = "UpdateResult", frozen)]
 pub struct PyUpdateResult {
     /// int32 `[m]`: index of each entry's request in the step's `req_ids`.
@@ -379,7 +393,8 @@ pub struct PyUpdateResult {
     /// int32 `[sum(num_new_tokens)]`: the accepted tokens, entry after entry.
     #[pyo3(get)]
     new_token_ids: Py<PyArray1<i32>>,
-    /// Ids of the requests that finished in this update, in batch order.
+    /// Ids of the requests that finished in this update: entries in batch order, then the
+    /// requests the scheduler ended on its own (no entry, reason "error").
     #[pyo3(get)]
     finished_req_ids: Py<PyList>,
     /// Their finish reasons ("stop", "length", "abort", "error").
@@ -426,6 +441,11 @@ impl PyUpdateResult {
                 stops.append(u.stop_token)?;
             }
             cursor += 1;
+        }
+        for e in &update.ended {
+            finished.append(&e.request_id)?;
+            reasons.append(e.finish_reason.name())?;
+            stops.append(None::<u32>)?;
         }
         let tokens: Vec<i32> = update.new_token_ids.iter().map(|&t| t as i32).collect();
         Ok(Self {

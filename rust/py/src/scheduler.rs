@@ -314,7 +314,8 @@ impl State {
         self.inner.requests().get(slot).py(py)
     }
 
-    /// One `RequestOutput` per request in the last update, in batch order.
+    /// One `RequestOutput` per request in the last update, in batch order, then one per request
+    /// the scheduler ended on its own (no tokens).
     fn request_outputs(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
         let list = PyList::empty(py);
         for u in &self.update.updates {
@@ -337,6 +338,9 @@ impl State {
             // SAFETY: `ro` is a live object of a GC type; untracking a tracked object is valid.
             unsafe { pyo3::ffi::PyObject_GC_UnTrack(ro.as_ptr().cast()) };
             list.append(ro)?;
+        }
+        for e in &self.update.ended {
+            list.append(PyRequestOutput::ended(py, e))?;
         }
         Ok(list.unbind())
     }
@@ -410,8 +414,9 @@ impl PyScheduler {
     }
 
     /// Applies the model's output for `output`'s step; returns one `RequestOutput` per request
-    /// that received tokens, in batch order. Drafts in `runner_output.draft_token_ids` are
-    /// installed for the next step.
+    /// that received tokens, in batch order, then one (no tokens, finish reason "error") per
+    /// request the scheduler ended on its own since the previous update. Drafts in
+    /// `runner_output.draft_token_ids` are installed for the next step.
     fn update_from_output(
         &self,
         py: Python<'_>,
@@ -852,17 +857,12 @@ impl PyScheduler {
                     ));
                 }
             }
-            if out.parts.slots.is_empty() {
-                // An empty step awaits no output.
-                if !tokens.is_empty() {
-                    return Err(invalid(
-                        py,
-                        "sampled tokens were given for a step that scheduled nothing",
-                    ));
-                }
-                st.update.updates.clear();
-                st.update.new_token_ids.clear();
-                return build(st);
+            if out.parts.slots.is_empty() && !tokens.is_empty() {
+                // An empty step awaits no output (the core only reports what ended meanwhile).
+                return Err(invalid(
+                    py,
+                    "sampled tokens were given for a step that scheduled nothing",
+                ));
             }
             let step_id = out.step_id;
             {

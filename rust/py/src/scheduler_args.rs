@@ -85,6 +85,11 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         let name = str_named(v.as_borrowed(), "config.vllm_semantics")?;
         c.vllm_semantics = VllmSemantics::from_name(&name).py(py)?;
     }
+    c.pool_must_hold_max_model_len = opt_flag(
+        config,
+        "pool_must_hold_max_model_len",
+        c.pool_must_hold_max_model_len,
+    )?;
     c.async_scheduling = opt_flag(config, "async_scheduling", c.async_scheduling)?;
     c.lookahead_policy =
         LookaheadPolicy::from_name(&attr::<String>(config, "lookahead_policy")?).py(py)?;

@@ -30,7 +30,7 @@ use crate::error::{broken, invalid, CoreError, CoreResult};
 use crate::hashing::BlockHasher;
 use crate::kv_manager::{AllocateArgs, KvCacheManager, PrefixCacheStats};
 use crate::lookahead::{lookahead_tokens, AllocationKind};
-use crate::output::{EntryKind, StepOutput};
+use crate::output::{EndedRequest, EntryKind, StepOutput};
 use crate::queue::{Policy, PriorityKey, WaitingQueue};
 use crate::request::{FinishReason, Request, RequestSpec, RequestStatus};
 use crate::request_store::RequestStore;
@@ -180,6 +180,8 @@ pub struct Scheduler {
     preempted_between_steps: Vec<String>,
     /// Ids of the steps abandoned with `abandon_step` (their output is refused).
     abandoned_steps: Vec<u64>,
+    /// Requests the scheduler ended on its own, reported by the next `update_from_output`.
+    ended_unreported: Vec<EndedRequest>,
 }
 
 /// Source of scheduler identities, so an output is never applied to another scheduler.
@@ -225,6 +227,7 @@ impl Scheduler {
             num_dropped_in_flight: 0,
             preempted_between_steps: Vec::new(),
             abandoned_steps: Vec::new(),
+            ended_unreported: Vec::new(),
         })
     }
 
@@ -592,7 +595,7 @@ impl Scheduler {
                 if self.running.len() == 1 {
                     // Alone and still short: the pool can never hold this request. End it
                     // instead of letting it preempt itself forever.
-                    self.finish(slot, FinishReason::Error)?;
+                    self.end_unservable(slot)?;
                     break;
                 }
                 let victim_index = self.pick_victim()?;
@@ -799,7 +802,7 @@ impl Scheduler {
                 if self.running.is_empty() {
                     // Nothing holds a block, yet it does not fit (a resumed request that grew
                     // past the pool): it never will. End it rather than block the queue.
-                    self.finish(slot, FinishReason::Error)?;
+                    self.end_unservable(slot)?;
                     continue;
                 }
                 break;
@@ -978,6 +981,20 @@ impl Scheduler {
         r.status = RequestStatus::Finished(reason);
         self.finished_ids.push(r.spec.request_id);
         self.stats.num_finished += 1;
+        Ok(())
+    }
+
+    /// Ends a request the pool can never hold (reason `Error`), reported by the next
+    /// `update_from_output`. Only a pool smaller than one `max_model_len` request
+    /// (`pool_must_hold_max_model_len` off, the vLLM drop-in) leads here: a pool that holds one
+    /// holds any request alone, lookahead included, since allocations stop at `max_model_len`.
+    fn end_unservable(&mut self, slot: u32) -> CoreResult<()> {
+        let request_id = self.store.get(slot)?.spec.request_id.clone();
+        self.finish(slot, FinishReason::Error)?;
+        self.ended_unreported.push(EndedRequest {
+            request_id,
+            finish_reason: FinishReason::Error,
+        });
         Ok(())
     }
 

@@ -11,7 +11,9 @@ use super::Scheduler;
 impl Scheduler {
     /// Applies the model's sampled tokens for step `step_id` (the oldest step in flight):
     /// `counts[i]` tokens for batch entry `i`, flat in `tokens`. Rolls back rejected drafts,
-    /// appends accepted tokens with stop checks, and finishes stopped requests.
+    /// appends accepted tokens with stop checks, and finishes stopped requests. `out.ended`
+    /// reports the requests the scheduler ended on its own since the previous successful
+    /// update (an update that fails keeps them for the next one).
     pub fn update_from_output(
         &mut self,
         step_id: u64,
@@ -22,6 +24,7 @@ impl Scheduler {
         crate::fault::hit("update.begin")?;
         out.updates.clear();
         out.new_token_ids.clear();
+        out.ended.clear();
         if self.is_abandoned(step_id) {
             return Err(CoreError::State(format!(
                 "step {step_id} was abandoned (abandon_step): its output can no longer be applied"
@@ -31,6 +34,7 @@ impl Scheduler {
             && tokens.is_empty()
             && self.in_flight.front().is_none_or(|s| s.step_id != step_id)
         {
+            out.ended.append(&mut self.ended_unreported);
             return Ok(()); // an empty step awaits no output
         }
         let Some(step) = self.in_flight.front() else {
@@ -230,6 +234,7 @@ impl Scheduler {
         for (_, slot, reason) in finished {
             self.finish(slot, reason)?;
         }
+        out.ended.append(&mut self.ended_unreported);
         Ok(())
     }
 }
