@@ -124,6 +124,11 @@ class SchedulerConfig:
     would exceed the machine's memory. ``pool_must_hold_max_model_len=False`` accepts the small
     pool, as vLLM's ``Scheduler`` class does (the vLLM drop-in sets it): a request that outgrows
     it alone is then ended with finish reason ``"error"``, reported by ``update_from_output``.
+
+    ``schedule()`` raises ``SchedulerStateError`` when it would return an idle step while one
+    step (sync) or two (async) await their output: nothing can run until an output is applied
+    or the step abandoned (``abandon_step``). ``refuse_idle_steps=False`` returns the empty step
+    instead, as vLLM's ``Scheduler`` class does (the vLLM drop-in sets it).
     """
 
     num_blocks: int
@@ -146,6 +151,7 @@ class SchedulerConfig:
     drop_last_hit_block: bool = False
     vllm_semantics: str = "0.33"
     pool_must_hold_max_model_len: bool = True
+    refuse_idle_steps: bool = True
 
     def __post_init__(self) -> None:
         _check_int(self, "num_blocks", 2)
@@ -162,6 +168,7 @@ class SchedulerConfig:
         _check_bool("async_scheduling", self.async_scheduling)
         _check_bool("drop_last_hit_block", self.drop_last_hit_block)
         _check_bool("pool_must_hold_max_model_len", self.pool_must_hold_max_model_len)
+        _check_bool("refuse_idle_steps", self.refuse_idle_steps)
         if self.vllm_semantics not in _VLLM_SEMANTICS:
             raise InvalidArgumentError(
                 f"vllm_semantics must be '0.32' or '0.33', got {self.vllm_semantics!r}"

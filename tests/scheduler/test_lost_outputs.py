@@ -127,6 +127,20 @@ def test_an_idle_schedule_while_a_step_awaits_its_output_raises_what_is_pending(
     apply(s, retry)
 
 
+def test_without_refuse_idle_steps_an_idle_schedule_returns_the_empty_step() -> None:
+    """vLLM's Scheduler class returns an empty step whatever is in flight (the drop-in follows
+    it; vLLM's engine decides how many steps it keeps in flight)."""
+    s = make(refuse_idle_steps=False)
+    s.add_request(Request("a", list(range(1, 16)), max_tokens=40))
+    out = s.schedule()
+    for _ in range(2):
+        idle = s.schedule()
+        assert idle.req_ids == () and idle.total_num_scheduled_tokens == 0
+    s.check_invariants()
+    assert s.abandon_step(out) == 1
+    assert s.schedule().req_ids == ("a",)
+
+
 def test_abandoned_admissions_go_back_to_the_queue_and_are_admitted_again() -> None:
     s = make()
     s.add_request(Request("a", list(range(1, 40)), max_tokens=3))

@@ -288,6 +288,8 @@ def translate_config(
         # vLLM's Scheduler accepts a pool smaller than one max_model_len request (its engine
         # too, with num_gpu_blocks_override); such a request is ended with an error instead.
         pool_must_hold_max_model_len=False,
+        # vLLM's Scheduler returns an empty step whatever is in flight; its engine decides.
+        refuse_idle_steps=False,
         vllm_semantics=installed().name,
         draft_slots_per_request=(
             vllm_config.speculative_config.max_num_new_slots_for_drafting if speculative else 0

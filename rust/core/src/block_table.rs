@@ -17,6 +17,9 @@ pub struct RowChange {
     pub lo: u32,
     /// One past the last changed column.
     pub hi: u32,
+    /// For a one-entry change, the entry written (a copy need not read the table); -1 for a
+    /// range, whose current contents are in the table.
+    pub value: i32,
 }
 
 /// The recent changes of a table, numbered: `changes[i]` is change number `start + i`, and the
@@ -43,9 +46,13 @@ impl Journal {
 
     #[inline]
     fn record(&mut self, row: usize, lo: usize, hi: usize) {
-        if lo >= hi {
-            return;
+        if lo < hi {
+            self.push(row, lo, hi, -1);
         }
+    }
+
+    #[inline]
+    fn push(&mut self, row: usize, lo: usize, hi: usize, value: i32) {
         if self.changes.len() == self.capacity {
             let dropped = self.capacity / 2;
             self.changes.drain(..dropped);
@@ -55,6 +62,7 @@ impl Journal {
             row: row as u32,
             lo: lo as u32,
             hi: hi as u32,
+            value,
         });
     }
 
@@ -166,7 +174,11 @@ impl BlockTable {
             *dst = b as i32;
         }
         self.counts[row] = (count + blocks.len()) as i32;
-        self.journal.record(row, count, count + blocks.len());
+        match blocks {
+            // The common append (one new block): the journal carries the entry itself.
+            &[block] => self.journal.push(row, count, count + 1, block as i32),
+            _ => self.journal.record(row, count, count + blocks.len()),
+        }
     }
 
     /// Zeroes the used entries of `row` and sets its count to 0.

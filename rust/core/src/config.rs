@@ -64,6 +64,12 @@ pub struct SchedulerConfig {
     /// `num_gpu_blocks_override`): a request that outgrows such a pool alone is ended with
     /// [`crate::FinishReason::Error`]. The vLLM drop-in turns it off.
     pub pool_must_hold_max_model_len: bool,
+    /// Refuse an idle `schedule()` while as many steps await output as the mode allows
+    /// (default): everything runnable waits for those outputs, a misuse that would otherwise
+    /// return empty steps forever. False returns the empty step, as vLLM's `Scheduler` class
+    /// does (the vLLM drop-in turns it off: vLLM's engine decides how many steps it keeps in
+    /// flight).
+    pub refuse_idle_steps: bool,
 }
 
 impl SchedulerConfig {
@@ -97,6 +103,7 @@ impl SchedulerConfig {
             drop_last_hit_block: false,
             vllm_semantics: VllmSemantics::V0_33,
             pool_must_hold_max_model_len: true,
+            refuse_idle_steps: true,
         }
     }
 

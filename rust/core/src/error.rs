@@ -58,3 +58,27 @@ pub fn try_filled_vec<T: Clone>(len: usize, value: T, what: &str) -> CoreResult<
     v.resize(len, value);
     Ok(v)
 }
+
+/// `len` zeroed `i32`s that the OS maps lazily (one `calloc`: untouched pages cost no memory),
+/// or an error instead of an abort when memory runs out.
+pub fn try_zeroed_i32(len: usize, what: &str) -> CoreResult<Vec<i32>> {
+    let oom = || {
+        CoreError::InvalidArgument(format!(
+            "cannot allocate {what} of {len} entries: out of memory"
+        ))
+    };
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<i32>(len).map_err(|_| oom())?;
+    // SAFETY: `layout` has a non-zero size. A non-null result is a zeroed allocation of exactly
+    // `len` i32s made with the global allocator and this layout, which is what
+    // `Vec::from_raw_parts` takes ownership of (all `len` elements initialised: zero is an i32).
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout).cast::<i32>();
+        if ptr.is_null() {
+            return Err(oom());
+        }
+        Ok(Vec::from_raw_parts(ptr, len, len))
+    }
+}

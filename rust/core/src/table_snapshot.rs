@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use crate::block_table::BlockTable;
-use crate::error::{try_filled_vec, CoreResult};
+use crate::error::{try_zeroed_i32, CoreResult};
 
 /// A copy of a [`BlockTable`]'s entries and row counts at one version.
 #[derive(Debug)]
@@ -22,18 +22,32 @@ pub struct TableSnapshot {
 }
 
 impl TableSnapshot {
-    /// A full copy of `src`.
+    /// A full copy of `src`. Only the used entries are written: the zero tails stay pages the
+    /// OS has not mapped yet, so a snapshot costs memory in proportion to the blocks in use.
     pub fn copy_of(src: &BlockTable) -> CoreResult<Self> {
-        let mut table = try_filled_vec(src.as_slice().len(), 0, "block table snapshot")?;
-        table.copy_from_slice(src.as_slice());
-        let mut counts = try_filled_vec(src.num_rows(), 0, "block table snapshot counts")?;
-        counts.copy_from_slice(src.counts());
-        Ok(Self {
-            table: table.into_boxed_slice(),
-            counts: counts.into_boxed_slice(),
+        let mut snapshot = Self {
+            table: try_zeroed_i32(src.as_slice().len(), "block table snapshot")?.into_boxed_slice(),
+            counts: try_zeroed_i32(src.num_rows(), "block table snapshot counts")?
+                .into_boxed_slice(),
             width: src.width(),
             version: src.version(),
-        })
+        };
+        snapshot.copy_rows(src);
+        Ok(snapshot)
+    }
+
+    /// Copies every row's used entries from `src` and zeroes what this copy used beyond them.
+    fn copy_rows(&mut self, src: &BlockTable) {
+        let (table, counts) = (src.as_slice(), src.counts());
+        for (row, (&new, old)) in counts.iter().zip(self.counts.iter_mut()).enumerate() {
+            let base = row * self.width;
+            let (new, old_count) = (new as usize, *old as usize);
+            self.table[base..base + new].copy_from_slice(&table[base..base + new]);
+            if old_count > new {
+                self.table[base + new..base + old_count].fill(0);
+            }
+            *old = new as i32;
+        }
     }
 
     /// Makes this copy equal to `src` (of the same shape), copying only what changed since
@@ -46,28 +60,29 @@ impl TableSnapshot {
         let (table, counts) = (src.as_slice(), src.counts());
         match src.changes_since(self.version) {
             Some(changes) => {
+                // Entries are scattered over the rows, a cache miss each: ask for the line of
+                // the change a few iterations ahead.
                 const AHEAD: usize = 16;
                 for (i, c) in changes.iter().enumerate() {
                     if let Some(next) = changes.get(i + AHEAD) {
                         let at = next.row as usize * self.width + next.lo as usize;
-                        crate::prefetch::read(table[at..].as_ptr());
                         crate::prefetch::read(self.table[at..].as_ptr());
+                        if next.value < 0 {
+                            crate::prefetch::read(table[at..].as_ptr());
+                        }
                     }
-                    let row = c.row as usize;
-                    let base = row * self.width;
+                    let base = c.row as usize * self.width;
                     let (lo, hi) = (base + c.lo as usize, base + c.hi as usize);
-                    if hi == lo + 1 {
-                        self.table[lo] = table[lo];
+                    if c.value >= 0 {
+                        // Replayed in order, a later change of the entry overwrites this one.
+                        self.table[lo] = c.value;
                     } else {
                         self.table[lo..hi].copy_from_slice(&table[lo..hi]);
                     }
-                    self.counts[row] = counts[row];
                 }
-            }
-            None => {
-                self.table.copy_from_slice(table);
                 self.counts.copy_from_slice(counts);
             }
+            None => self.copy_rows(src),
         }
         self.version = src.version();
     }
@@ -201,6 +216,23 @@ mod tests {
         let c = pool.take(&t).unwrap();
         assert!(same(&c, &t), "a reused snapshot did not catch up");
         assert_eq!(pool.len(), 2);
+    }
+
+    #[test]
+    fn a_rewritten_entry_reads_its_last_value() {
+        let mut t = BlockTable::new(2, 3).unwrap();
+        let mut pool = SnapshotPool::new();
+        drop(pool.take(&t).unwrap());
+        t.append(0, &[1]);
+        t.append(1, &[5, 6]);
+        t.clear(0);
+        t.append(0, &[2]);
+        t.swap_rows(0, 1);
+        t.append(0, &[7]);
+        let s = pool.take(&t).unwrap();
+        assert!(same(&s, &t));
+        assert_eq!(s.row(0), [5, 6, 7]);
+        assert_eq!(s.row(1), [2]);
     }
 
     #[test]

@@ -85,6 +85,7 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         let name = str_named(v.as_borrowed(), "config.vllm_semantics")?;
         c.vllm_semantics = VllmSemantics::from_name(&name).py(py)?;
     }
+    c.refuse_idle_steps = opt_flag(config, "refuse_idle_steps", c.refuse_idle_steps)?;
     c.pool_must_hold_max_model_len = opt_flag(
         config,
         "pool_must_hold_max_model_len",

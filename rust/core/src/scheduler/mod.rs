@@ -449,9 +449,9 @@ impl Scheduler {
 
     /// Plans one step into `out`.
     ///
-    /// Refused (`State`, nothing changed) when the step would be idle (no request scheduled, no
-    /// finished or preempted id to report) while as many steps await their output as the
-    /// mode's engine keeps in flight ([`Self::max_steps_in_flight`]): everything runnable waits
+    /// Refused (`State`, nothing changed; unless `refuse_idle_steps` is off) when the step
+    /// would be idle (no request scheduled, no finished or preempted id to report) while as
+    /// many steps await their output as the mode's engine keeps in flight ([`Self::max_steps_in_flight`]): everything runnable waits
     /// for those outputs, which the engine must apply with `update_from_output` or give up
     /// with [`Self::abandon_step`]. An idle step with fewer steps in flight is legal (vLLM's
     /// batch queue asks for one while a step runs), and so is a step that schedules something
@@ -459,7 +459,8 @@ impl Scheduler {
     pub fn schedule(&mut self, out: &mut StepOutput) -> CoreResult<()> {
         crate::fault::hit("schedule.begin")?;
         out.clear();
-        let at_limit = self.in_flight.len() >= self.max_steps_in_flight();
+        let at_limit =
+            self.config.refuse_idle_steps && self.in_flight.len() >= self.max_steps_in_flight();
         let lookups_before = at_limit.then(|| self.kv.prefix_cache_stats());
         self.scratch.ensure(self.store_capacity());
         let mut budget = StepBudget::new(
