@@ -15,13 +15,34 @@ import dflash_rs as d
 from dflash_rs.errors import InvalidArgumentError
 
 
-def frozen_view(out: Any) -> dict[str, Any]:
-    """Deep copies of everything `out` exposes."""
+def expected_table(sched: d.Scheduler, out: Any) -> tuple[np.ndarray, np.ndarray]:
+    """What `out.block_table` and `out.num_blocks_per_row` must read, from the blocks each
+    request owns now (call it right after schedule()), without reading them."""
+    cfg = sched.config
+    width = -(-cfg.max_model_len // cfg.block_size)
+    table = np.zeros((len(out.req_ids), width), dtype=np.int32)
+    counts = np.zeros(len(out.req_ids), dtype=np.int32)
+    for i, rid in enumerate(out.req_ids):
+        blocks = sched.block_ids(rid)
+        table[i, : len(blocks)] = blocks
+        counts[i] = len(blocks)
+    return table, counts
+
+
+def frozen_view(out: Any, sched: d.Scheduler | None = None) -> dict[str, Any]:
+    """Deep copies of everything `out` exposes. With `sched`, the block table is not read:
+    what it must read comes from the blocks the requests own (so its first read can come
+    later, after the scheduler changed its own table)."""
     cached = out.scheduled_cached_reqs
+    if sched is None:
+        table = np.array(out.block_table, copy=True)
+        counts = np.array(out.num_blocks_per_row, copy=True)
+    else:
+        table, counts = expected_table(sched, out)
     return {
         "req_ids": list(out.req_ids),
-        "block_table": np.array(out.block_table, copy=True),
-        "num_blocks_per_row": np.array(out.num_blocks_per_row, copy=True),
+        "block_table": table,
+        "num_blocks_per_row": counts,
         "num_scheduled_tokens_array": np.array(out.num_scheduled_tokens_array, copy=True),
         "num_computed_tokens": np.array(out.num_computed_tokens, copy=True),
         "query_start_loc": np.array(out.query_start_loc, copy=True),
@@ -126,6 +147,34 @@ def test_preemption_and_reset_do_not_rewrite_held_tables() -> None:
         for o, expected in held:
             assert_unchanged(o, expected, f"step {step}")
     assert saw_preemption, "the pool is small enough to preempt"
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_table_first_read_late_reads_as_when_the_step_was_returned(
+    async_scheduling: bool,
+) -> None:
+    """The table is frozen at first read: a read many steps, finishes and aborts later still
+    sees the step as it was returned (the scheduler keeps what it needs, or freezes it first)."""
+    s = dflash_scheduler(async_scheduling=async_scheduling, num_blocks=128)
+    for i in range(6):
+        s.add_request(d.Request(f"r{i}", [10 + i] * (17 + 5 * i), max_tokens=60, eos_token_id=7))
+    held = []
+    pending: list[Any] = []
+    for step in range(40):
+        out = s.schedule()
+        held.append((out, expected_table(s, out)))
+        pending.append(out)
+        if len(pending) > (1 if async_scheduling else 0):
+            done = pending.pop(0)
+            s.update_from_output(done, sampled_for(done, 7 if step % 9 == 8 else 3))
+        if step == 5:
+            s.finish_requests(["r1", "r4"])
+        if step % 10 == 3:
+            s.add_request(d.Request(f"late{step}", [50 + step] * 40, max_tokens=9))
+    for out, (table, counts) in held[::-1]:  # newest first: forward and backward replays
+        assert np.array_equal(out.block_table, table)
+        assert np.array_equal(out.num_blocks_per_row, counts)
     s.check_invariants()
 
 

@@ -38,6 +38,11 @@ impl BatchRows {
         &self.table
     }
 
+    /// The block table, to turn its journal on or trim it (rows stay this type's to change).
+    pub fn table_journal_mut(&mut self) -> JournalControl<'_> {
+        JournalControl(&mut self.table)
+    }
+
     /// Occupied rows.
     pub fn len(&self) -> usize {
         self.owners.len()
@@ -107,5 +112,21 @@ impl BatchRows {
                 front += 1;
             }
         }
+    }
+}
+
+/// Access to a block table's journal only: [`BlockTable::enable_journal`] and
+/// [`BlockTable::trim_journal`].
+pub struct JournalControl<'a>(&'a mut BlockTable);
+
+impl JournalControl<'_> {
+    /// Starts journaling the table's changes.
+    pub fn enable(&mut self) {
+        self.0.enable_journal();
+    }
+
+    /// Drops the journaled changes before `version`.
+    pub fn trim(&mut self, version: u64) {
+        self.0.trim_journal(version);
     }
 }

@@ -3,74 +3,12 @@
 //!
 //! Rows are updated incrementally (appends, row moves when a request leaves) and entries past a
 //! row's count always hold 0 (the null block), never a stale id of an earlier occupant. Every
-//! change is journaled (which row, which columns), so a [`crate::table_snapshot`] copy can be
-//! brought up to date by copying only what changed since it was last synced.
+//! change bumps the table's version; with the journal on ([`BlockTable::enable_journal`]) it is
+//! also recorded with its redo and undo data ([`crate::table_journal`]), so a
+//! [`crate::table_snapshot`] copy can be moved to any journaled version.
 
 use crate::error::{try_filled_vec, CoreError, CoreResult};
-
-/// Columns `[lo, hi)` of `row` (and its count) changed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RowChange {
-    /// The row.
-    pub row: u32,
-    /// First changed column.
-    pub lo: u32,
-    /// One past the last changed column.
-    pub hi: u32,
-    /// For a one-entry change, the entry written (a copy need not read the table); -1 for a
-    /// range, whose current contents are in the table.
-    pub value: i32,
-}
-
-/// The recent changes of a table, numbered: `changes[i]` is change number `start + i`, and the
-/// table's version is `start + changes.len()`. Bounded: the older half is dropped when full.
-#[derive(Debug, Clone)]
-struct Journal {
-    start: u64,
-    changes: Vec<RowChange>,
-    capacity: usize,
-}
-
-impl Journal {
-    fn new(capacity: usize) -> Self {
-        Self {
-            start: 0,
-            changes: Vec::new(),
-            capacity,
-        }
-    }
-
-    fn version(&self) -> u64 {
-        self.start + self.changes.len() as u64
-    }
-
-    #[inline]
-    fn record(&mut self, row: usize, lo: usize, hi: usize) {
-        if lo < hi {
-            self.push(row, lo, hi, -1);
-        }
-    }
-
-    #[inline]
-    fn push(&mut self, row: usize, lo: usize, hi: usize, value: i32) {
-        if self.changes.len() == self.capacity {
-            let dropped = self.capacity / 2;
-            self.changes.drain(..dropped);
-            self.start += dropped as u64;
-        }
-        self.changes.push(RowChange {
-            row: row as u32,
-            lo: lo as u32,
-            hi: hi as u32,
-            value,
-        });
-    }
-
-    fn since(&self, version: u64) -> Option<&[RowChange]> {
-        let offset = version.checked_sub(self.start)?;
-        self.changes.get(offset as usize..)
-    }
-}
+use crate::table_journal::{Op, TableJournal};
 
 /// Row-major `[num_rows, width]` int32 table with per-row counts.
 #[derive(Debug, Clone)]
@@ -78,7 +16,8 @@ pub struct BlockTable {
     table: Box<[i32]>,
     counts: Box<[i32]>,
     width: usize,
-    journal: Journal,
+    version: u64,
+    journal: Option<TableJournal>,
 }
 
 impl BlockTable {
@@ -102,20 +41,43 @@ impl BlockTable {
             counts: try_filled_vec(num_rows, 0, "block table row counts")
                 .map(Vec::into_boxed_slice)?,
             width,
-            // A few steps of appends to every row, and a floor for small tables.
-            journal: Journal::new(num_rows.saturating_mul(8).clamp(1024, 1 << 20)),
+            version: 0,
+            journal: None,
         })
     }
 
     /// Number of changes made so far: equal versions mean equal contents.
     pub fn version(&self) -> u64 {
-        self.journal.version()
+        self.version
     }
 
-    /// The changes made since `version`, oldest first, or `None` when some of them are no longer
-    /// journaled (copy the whole table then).
-    pub fn changes_since(&self, version: u64) -> Option<&[RowChange]> {
-        self.journal.since(version)
+    /// Starts journaling the changes (from the current version on).
+    pub fn enable_journal(&mut self) {
+        if self.journal.is_none() {
+            self.journal = Some(TableJournal::starting_at(self.version));
+        }
+    }
+
+    /// The journal, when on.
+    pub fn journal(&self) -> Option<&TableJournal> {
+        self.journal.as_ref()
+    }
+
+    /// Drops the journaled changes before `version` (no copy may need them any more).
+    pub fn trim_journal(&mut self, version: u64) {
+        if let Some(j) = &mut self.journal {
+            j.trim(version);
+        }
+    }
+
+    /// Counts a change of `row` and journals it (`op` builds it, storing data if needed).
+    #[inline]
+    fn note(&mut self, row: usize, op: impl FnOnce(&mut TableJournal) -> Op) {
+        self.version += 1;
+        if let Some(j) = &mut self.journal {
+            let op = op(j);
+            j.push(row as u32, op);
+        }
     }
 
     /// Columns per row.
@@ -166,28 +128,43 @@ impl BlockTable {
             count + blocks.len() <= self.width,
             "row {row} overflows the table width"
         );
+        if blocks.is_empty() {
+            return;
+        }
         let start = row * self.width + count;
-        for (dst, &b) in self.table[start..start + blocks.len()]
+        for (d, &b) in self.table[start..start + blocks.len()]
             .iter_mut()
             .zip(blocks)
         {
-            *dst = b as i32;
+            *d = b as i32;
         }
-        self.counts[row] = (count + blocks.len()) as i32;
-        match blocks {
-            // The common append (one new block): the journal carries the entry itself.
-            &[block] => self.journal.push(row, count, count + 1, block as i32),
-            _ => self.journal.record(row, count, count + blocks.len()),
+        let end = count + blocks.len();
+        self.counts[row] = end as i32;
+        if let Some(j) = &mut self.journal {
+            for (i, &block) in blocks.iter().enumerate() {
+                let at = (count + i) as u32;
+                j.push(row as u32, Op::Write { at, block });
+            }
         }
+        self.version += blocks.len() as u64;
     }
 
     /// Zeroes the used entries of `row` and sets its count to 0.
     pub fn clear(&mut self, row: usize) {
         let start = row * self.width;
         let count = self.counts[row] as usize;
+        if count == 0 {
+            return;
+        }
+        let old = &self.table[start..start + count];
+        self.version += 1;
+        if let Some(j) = &mut self.journal {
+            let old = j.store(old);
+            let count = count as u32;
+            j.push(row as u32, Op::Clear { count, old });
+        }
         self.table[start..start + count].fill(0);
         self.counts[row] = 0;
-        self.journal.record(row, 0, count);
     }
 
     /// Moves `src` into the (cleared) row `dst` and clears `src`.
@@ -200,7 +177,12 @@ impl BlockTable {
         let (s, d) = (src * self.width, dst * self.width);
         self.table.copy_within(s..s + count, d);
         self.counts[dst] = count as i32;
-        self.journal.record(dst, 0, count);
+        if count > 0 {
+            self.note(src, |_| Op::Move {
+                to: dst as u32,
+                count: count as u32,
+            });
+        }
         self.clear(src);
     }
 
@@ -213,9 +195,7 @@ impl BlockTable {
         let (left, right) = self.table.split_at_mut(hi * self.width);
         left[lo * self.width..(lo + 1) * self.width].swap_with_slice(&mut right[..self.width]);
         self.counts.swap(a, b);
-        let used = self.counts[a].max(self.counts[b]) as usize;
-        self.journal.record(a, 0, used);
-        self.journal.record(b, 0, used);
+        self.note(a, |_| Op::Swap { with: b as u32 });
     }
 }
 

@@ -60,7 +60,8 @@ pub fn try_filled_vec<T: Clone>(len: usize, value: T, what: &str) -> CoreResult<
 }
 
 /// `len` zeroed `i32`s that the OS maps lazily (one `calloc`: untouched pages cost no memory),
-/// or an error instead of an abort when memory runs out.
+/// backed by huge pages where the OS allows, or an error instead of an abort when memory runs
+/// out.
 pub fn try_zeroed_i32(len: usize, what: &str) -> CoreResult<Vec<i32>> {
     let oom = || {
         CoreError::InvalidArgument(format!(
@@ -79,6 +80,8 @@ pub fn try_zeroed_i32(len: usize, what: &str) -> CoreResult<Vec<i32>> {
         if ptr.is_null() {
             return Err(oom());
         }
-        Ok(Vec::from_raw_parts(ptr, len, len))
+        let v = Vec::from_raw_parts(ptr, len, len);
+        crate::huge_pages::advise(&v);
+        Ok(v)
     }
 }

@@ -28,6 +28,7 @@ pub mod request_store;
 pub mod scheduler;
 pub mod semantics;
 pub mod sha256;
+pub mod table_journal;
 pub mod table_snapshot;
 
 pub use block_pool::{BlockPool, NULL_BLOCK};

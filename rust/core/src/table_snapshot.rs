@@ -2,15 +2,19 @@
 //!
 //! A step's block table must read the same for as long as the caller holds the step, while the
 //! scheduler keeps changing its own table (appends, rows moved when a request leaves, a reset).
-//! [`SnapshotPool::take`] hands out a [`TableSnapshot`] behind an `Arc`: nothing writes to it
-//! while any clone of that `Arc` lives. A snapshot no longer held is reused for a later step and
-//! brought up to date by copying only the rows' columns that changed since it was last synced
-//! (the table's journal), so a steady decode step copies a few entries, not the table.
+//! A step only records the table's version; [`SnapshotPool::take`] makes a [`TableSnapshot`] of
+//! the table at that version when someone first reads it, however much the table changed
+//! meanwhile, by replaying the table's journal forward or backward on an idle copy. The copy is
+//! handed out behind an `Arc`: nothing writes to it while any clone of that `Arc` lives. Copies
+//! no longer held are reused, so a caller that reads every step's table costs a few scattered
+//! entries per step (the appends since the copy was last used), and one that never reads it
+//! costs nothing.
 
 use std::sync::Arc;
 
 use crate::block_table::BlockTable;
-use crate::error::{try_zeroed_i32, CoreResult};
+use crate::error::{broken, try_zeroed_i32, CoreResult};
+use crate::table_journal::{Op, TableJournal};
 
 /// A copy of a [`BlockTable`]'s entries and row counts at one version.
 #[derive(Debug)]
@@ -22,8 +26,8 @@ pub struct TableSnapshot {
 }
 
 impl TableSnapshot {
-    /// A full copy of `src`. Only the used entries are written: the zero tails stay pages the
-    /// OS has not mapped yet, so a snapshot costs memory in proportion to the blocks in use.
+    /// A copy of `src` as it is now. Only the used entries are written: the zero tails stay
+    /// pages the OS has not mapped yet, so a copy costs memory in proportion to the blocks in use.
     pub fn copy_of(src: &BlockTable) -> CoreResult<Self> {
         let mut snapshot = Self {
             table: try_zeroed_i32(src.as_slice().len(), "block table snapshot")?.into_boxed_slice(),
@@ -48,43 +52,107 @@ impl TableSnapshot {
             }
             *old = new as i32;
         }
+        self.version = src.version();
     }
 
-    /// Makes this copy equal to `src` (of the same shape), copying only what changed since
-    /// the last sync when the journal still covers it.
-    pub fn sync(&mut self, src: &BlockTable) {
+    /// Makes this copy (of `src`'s shape) the table at `version`: `src` itself when that is its
+    /// version, else a version its journal covers.
+    pub fn sync_to(&mut self, src: &BlockTable, version: u64) -> CoreResult<()> {
         debug_assert_eq!(self.table.len(), src.as_slice().len(), "snapshot shape");
-        if self.version == src.version() {
-            return;
+        if self.version == version {
+            return Ok(());
         }
-        let (table, counts) = (src.as_slice(), src.counts());
-        match src.changes_since(self.version) {
-            Some(changes) => {
-                // Entries are scattered over the rows, a cache miss each: ask for the line of
-                // the change a few iterations ahead.
-                const AHEAD: usize = 16;
-                for (i, c) in changes.iter().enumerate() {
-                    if let Some(next) = changes.get(i + AHEAD) {
-                        let at = next.row as usize * self.width + next.lo as usize;
-                        crate::prefetch::read(self.table[at..].as_ptr());
-                        if next.value < 0 {
-                            crate::prefetch::read(table[at..].as_ptr());
-                        }
-                    }
-                    let base = c.row as usize * self.width;
-                    let (lo, hi) = (base + c.lo as usize, base + c.hi as usize);
-                    if c.value >= 0 {
-                        // Replayed in order, a later change of the entry overwrites this one.
-                        self.table[lo] = c.value;
-                    } else {
-                        self.table[lo..hi].copy_from_slice(&table[lo..hi]);
-                    }
-                }
-                self.counts.copy_from_slice(counts);
+        let journal = src.journal().filter(|j| j.covers(version));
+        let Some(journal) = journal else {
+            if version != src.version() {
+                return Err(broken!(
+                    "block table version {version} is no longer journaled (now {})",
+                    src.version()
+                ));
             }
-            None => self.copy_rows(src),
+            self.copy_rows(src);
+            return Ok(());
+        };
+        if !journal.covers(self.version) {
+            self.copy_rows(src);
         }
-        self.version = src.version();
+        if self.version < version {
+            self.redo(journal, version);
+        } else {
+            self.undo(journal, version);
+        }
+        Ok(())
+    }
+
+    /// Replays changes `[self.version, version)`.
+    fn redo(&mut self, journal: &TableJournal, version: u64) {
+        // Appends are scattered over the rows, a cache miss each: ask for the line of the
+        // change a few iterations ahead.
+        const AHEAD: u64 = 16;
+        for v in self.version..version {
+            if v + AHEAD < version {
+                let next = journal.change(v + AHEAD);
+                if let Op::Write { at, .. } = next.op() {
+                    let at = next.row() as usize * self.width + at as usize;
+                    crate::prefetch::read(self.table[at..].as_ptr());
+                }
+            }
+            let c = journal.change(v);
+            let (row, base) = (c.row() as usize, c.row() as usize * self.width);
+            match c.op() {
+                Op::Write { at, block } => {
+                    self.table[base + at as usize] = block as i32;
+                    self.counts[row] = at as i32 + 1;
+                }
+                Op::Clear { count, .. } => {
+                    self.table[base..base + count as usize].fill(0);
+                    self.counts[row] = 0;
+                }
+                Op::Move { to, count } => {
+                    let to = to as usize;
+                    let n = count as usize;
+                    self.table.copy_within(base..base + n, to * self.width);
+                    self.counts[to] = count as i32;
+                }
+                Op::Swap { with } => self.swap(row, with as usize),
+            }
+        }
+        self.version = version;
+    }
+
+    /// Reverts changes `[version, self.version)`, newest first.
+    fn undo(&mut self, journal: &TableJournal, version: u64) {
+        for v in (version..self.version).rev() {
+            let c = journal.change(v);
+            let (row, base) = (c.row() as usize, c.row() as usize * self.width);
+            match c.op() {
+                Op::Write { at, .. } => {
+                    self.table[base + at as usize] = 0;
+                    self.counts[row] = at as i32;
+                }
+                Op::Clear { count, old } => {
+                    let n = count as usize;
+                    self.table[base..base + n].copy_from_slice(journal.stored(old, n));
+                    self.counts[row] = count as i32;
+                }
+                Op::Move { to, count } => {
+                    let to = to as usize * self.width;
+                    self.table[to..to + count as usize].fill(0);
+                    self.counts[to / self.width] = 0;
+                }
+                Op::Swap { with } => self.swap(row, with as usize),
+            }
+        }
+        self.version = version;
+    }
+
+    /// Swaps two rows' used entries and counts.
+    fn swap(&mut self, a: usize, b: usize) {
+        let used = self.counts[a].max(self.counts[b]) as usize;
+        let (lo, hi) = (a.min(b), a.max(b));
+        let (left, right) = self.table.split_at_mut(hi * self.width);
+        left[lo * self.width..lo * self.width + used].swap_with_slice(&mut right[..used]);
+        self.counts.swap(a, b);
     }
 
     /// The table version this copy holds.
@@ -120,8 +188,7 @@ pub struct SnapshotPool {
     snapshots: Vec<Arc<TableSnapshot>>,
 }
 
-/// Snapshots kept for reuse beyond those held (a step in flight, the one being built, async's
-/// second step).
+/// Snapshots kept for reuse beyond those held.
 const MAX_IDLE: usize = 3;
 
 impl SnapshotPool {
@@ -130,16 +197,17 @@ impl SnapshotPool {
         Self::default()
     }
 
-    /// A snapshot equal to `table` now, that nothing changes while the returned `Arc` (or a
-    /// clone of it) lives.
-    pub fn take(&mut self, table: &BlockTable) -> CoreResult<Arc<TableSnapshot>> {
-        // The idle snapshot closest to the table's version has the least to copy.
+    /// A snapshot of `table` at `version` (now, or a version its journal covers), that nothing
+    /// changes while the returned `Arc` (or a clone of it) lives.
+    pub fn take(&mut self, table: &BlockTable, version: u64) -> CoreResult<Arc<TableSnapshot>> {
+        // The idle snapshot closest to `version` has the least to replay.
+        let distance = |s: &TableSnapshot| s.version.abs_diff(version);
         let mut best: Option<usize> = None;
         let mut idle = 0;
         for (i, s) in self.snapshots.iter().enumerate() {
             if Arc::strong_count(s) == 1 {
                 idle += 1;
-                if best.is_none_or(|b| s.version > self.snapshots[b].version) {
+                if best.is_none_or(|b| distance(s) < distance(&self.snapshots[b])) {
                     best = Some(i);
                 }
             }
@@ -154,7 +222,7 @@ impl SnapshotPool {
         };
         Arc::get_mut(&mut self.snapshots[index])
             .expect("an idle snapshot has no other owner")
-            .sync(table);
+            .sync_to(table, version)?;
         let taken = Arc::clone(&self.snapshots[index]);
         if idle > MAX_IDLE {
             self.release_idle(index);
@@ -195,68 +263,96 @@ mod tests {
         s.as_slice() == t.as_slice() && s.counts() == t.counts()
     }
 
+    fn journaled(rows: usize, width: usize) -> BlockTable {
+        let mut t = BlockTable::new(rows, width).unwrap();
+        t.enable_journal();
+        t
+    }
+
     #[test]
     fn held_snapshots_never_change_and_reused_ones_catch_up() {
-        let mut t = BlockTable::new(4, 6).unwrap();
+        let mut t = journaled(4, 6);
         let mut pool = SnapshotPool::new();
         t.append(0, &[1, 2]);
         t.append(1, &[3]);
-        let a = pool.take(&t).unwrap();
+        let a = pool.take(&t, t.version()).unwrap();
         let frozen: Vec<i32> = a.as_slice().to_vec();
         t.move_row(1, 0);
         t.append(2, &[7, 8, 9]);
         t.swap_rows(0, 2);
         assert_eq!(a.as_slice(), &frozen[..], "a held snapshot changed");
-        let b = pool.take(&t).unwrap();
+        let b = pool.take(&t, t.version()).unwrap();
         assert!(same(&b, &t));
         assert!(!Arc::ptr_eq(&a, &b), "a held snapshot was reused");
         drop(a);
         t.clear(0);
         t.append(3, &[4]);
-        let c = pool.take(&t).unwrap();
+        let c = pool.take(&t, t.version()).unwrap();
         assert!(same(&c, &t), "a reused snapshot did not catch up");
         assert_eq!(pool.len(), 2);
     }
 
     #[test]
-    fn a_rewritten_entry_reads_its_last_value() {
-        let mut t = BlockTable::new(2, 3).unwrap();
+    fn any_journaled_version_can_be_taken_later() {
+        let mut t = journaled(3, 4);
         let mut pool = SnapshotPool::new();
-        drop(pool.take(&t).unwrap());
-        t.append(0, &[1]);
-        t.append(1, &[5, 6]);
-        t.clear(0);
-        t.append(0, &[2]);
-        t.swap_rows(0, 1);
-        t.append(0, &[7]);
-        let s = pool.take(&t).unwrap();
-        assert!(same(&s, &t));
-        assert_eq!(s.row(0), [5, 6, 7]);
-        assert_eq!(s.row(1), [2]);
+        let mut seen = vec![(t.version(), t.as_slice().to_vec(), t.counts().to_vec())];
+        let ops: [&dyn Fn(&mut BlockTable); 7] = [
+            &|t| t.append(0, &[1]),
+            &|t| t.append(1, &[5, 6]),
+            &|t| t.clear(0),
+            &|t| t.append(0, &[2]),
+            &|t| t.swap_rows(0, 1),
+            &|t| t.move_row(1, 2),
+            &|t| t.append(2, &[7]),
+        ];
+        for op in ops {
+            op(&mut t);
+            seen.push((t.version(), t.as_slice().to_vec(), t.counts().to_vec()));
+        }
+        // Out of order, with held copies in between: forward, backward and refreshed syncs.
+        for &i in &[3usize, 7, 0, 5, 1, 6, 2, 4] {
+            let (version, table, counts) = &seen[i];
+            let s = pool.take(&t, *version).unwrap();
+            assert_eq!(
+                (s.as_slice(), s.counts()),
+                (&table[..], &counts[..]),
+                "version {i}"
+            );
+        }
     }
 
     #[test]
-    fn a_snapshot_behind_the_journal_is_copied_whole() {
-        let mut t = BlockTable::new(2, 2).unwrap();
+    fn a_trimmed_version_is_refused_and_the_current_one_always_served() {
+        let mut t = journaled(2, 2);
         let mut pool = SnapshotPool::new();
-        drop(pool.take(&t).unwrap());
-        for i in 0..5000u32 {
-            t.clear(0);
-            t.append(0, &[i, i + 1]);
-        }
-        assert!(t.changes_since(0).is_none(), "the journal is bounded");
-        let s = pool.take(&t).unwrap();
+        t.append(0, &[1]);
+        let old = t.version();
+        t.append(1, &[2]);
+        t.trim_journal(t.version());
+        assert!(pool.take(&t, old).is_err());
+        let s = pool.take(&t, t.version()).unwrap();
         assert!(same(&s, &t));
+        let mut plain = BlockTable::new(2, 2).unwrap();
+        plain.append(0, &[3]);
+        assert!(
+            same(&pool_take(&plain), &plain),
+            "a table without journal: its version now"
+        );
+    }
+
+    fn pool_take(t: &BlockTable) -> Arc<TableSnapshot> {
+        SnapshotPool::new().take(t, t.version()).unwrap()
     }
 
     #[test]
     fn idle_snapshots_are_bounded() {
-        let t = BlockTable::new(2, 2).unwrap();
+        let t = journaled(2, 2);
         let mut pool = SnapshotPool::new();
-        let held: Vec<_> = (0..10).map(|_| pool.take(&t).unwrap()).collect();
+        let held: Vec<_> = (0..10).map(|_| pool.take(&t, 0).unwrap()).collect();
         assert_eq!(pool.len(), 10);
         drop(held);
-        let _s = pool.take(&t).unwrap();
+        let _s = pool.take(&t, 0).unwrap();
         assert!(pool.len() <= MAX_IDLE + 1, "{} snapshots kept", pool.len());
     }
 }

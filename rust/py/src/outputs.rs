@@ -1,9 +1,16 @@
 //! Python views of one step: `SchedulerOutput` (with zero-copy block-table arrays and lazily
 //! built dicts), `NewRequestData`, `CachedRequestData`, `RequestOutput` and `UpdateResult`.
 
+use std::sync::{Arc, OnceLock};
+
+use dflash_core::table_snapshot::TableSnapshot;
+use numpy::ndarray::{ArrayView1, ArrayView2};
 use numpy::{PyArray1, PyArray2, PyUntypedArrayMethods};
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyFrozenSet, PyList, PySet, PyString, PyTuple};
+use pyo3::PyTraverseError;
 
 /// `array`, made read-only as `setflags(write=False)` makes it, without a Python call.
 pub fn read_only<'py, A>(array: Bound<'py, A>) -> Bound<'py, A>
@@ -137,10 +144,12 @@ pub struct LazyParts {
 /// `block_table`.
 ///
 /// An output reads the same for as long as anyone holds it, whatever the scheduler does
-/// meanwhile: arrays are read-only (`block_table` and `num_blocks_per_row` are views of a
-/// snapshot of the table that nothing writes to while it is held), `req_ids` is a tuple (shared
-/// by consecutive steps with the same batch), id sets are frozensets, `scheduled_new_reqs` is a
-/// tuple, and the dict- and list-valued properties build a new object at every access.
+/// meanwhile: arrays are read-only, `req_ids` is a tuple (shared by consecutive steps with the
+/// same batch), id sets are frozensets, `scheduled_new_reqs` is a tuple, and the dict- and
+/// list-valued properties build a new object at every access. `block_table` and
+/// `num_blocks_per_row` view a snapshot of the table as it was when the step was returned,
+/// made when one of them is first read (so a step nobody reads costs no copy) and never
+/// written to while it is held.
 #[pyclass(module = "dflash_rs._core", name = "SchedulerOutput", frozen)]
 pub struct PySchedulerOutput {
     #[pyo3(get)]
@@ -149,10 +158,6 @@ pub struct PySchedulerOutput {
     pub req_ids: Py<PyTuple>,
     #[pyo3(get)]
     pub total_num_scheduled_tokens: usize,
-    #[pyo3(get)]
-    pub block_table: Py<PyArray2<i32>>,
-    #[pyo3(get)]
-    pub num_blocks_per_row: Py<PyArray1<i32>>,
     #[pyo3(get)]
     pub num_scheduled_tokens_array: Py<PyArray1<i32>>,
     #[pyo3(get)]
@@ -170,6 +175,82 @@ pub struct PySchedulerOutput {
     #[pyo3(get)]
     pub num_lookahead_tokens: usize,
     pub parts: LazyParts,
+    /// The step's block table, frozen at first read.
+    pub table: StepTable,
+}
+
+/// A step's block table: the table version it was returned at, the scheduler to freeze it
+/// from, and its arrays once read.
+pub struct StepTable {
+    /// Rows of the step.
+    pub rows: usize,
+    /// Version and frozen copy, shared with the scheduler (which freezes unread tables itself
+    /// before it forgets the changes they need).
+    pub lazy: Arc<LazyTable>,
+    /// The scheduler that produced the step.
+    pub scheduler: Py<crate::scheduler::PyScheduler>,
+    arrays: PyOnceLock<TableArrays>,
+}
+
+/// `(block_table, num_blocks_per_row)` of a step.
+type TableArrays = (Py<PyArray2<i32>>, Py<PyArray1<i32>>);
+
+/// The version of the table a step was returned at, and its snapshot once made.
+#[derive(Debug)]
+pub struct LazyTable {
+    /// The table's version when the step was returned.
+    pub version: u64,
+    /// The snapshot, once made.
+    pub snapshot: OnceLock<Arc<TableSnapshot>>,
+}
+
+/// Keeps a step's block-table snapshot alive: the base object of its numpy arrays.
+#[pyclass(module = "dflash_rs._core", name = "_BlockTableSnapshot", frozen)]
+struct TableLease(#[allow(dead_code)] Arc<TableSnapshot>);
+
+impl StepTable {
+    /// The table of a step of `rows` entries returned at `version`.
+    pub fn new(
+        rows: usize,
+        lazy: Arc<LazyTable>,
+        scheduler: Py<crate::scheduler::PyScheduler>,
+    ) -> Self {
+        Self {
+            rows,
+            lazy,
+            scheduler,
+            arrays: PyOnceLock::new(),
+        }
+    }
+
+    /// `(block_table, num_blocks_per_row)`, frozen now if not yet.
+    fn arrays(&self, py: Python<'_>) -> PyResult<&TableArrays> {
+        self.arrays.get_or_try_init(py, || {
+            let snapshot = match self.lazy.snapshot.get() {
+                Some(s) => s.clone(),
+                None => self.scheduler.get().freeze_table(py, &self.lazy)?,
+            };
+            let n = self.rows;
+            let width = snapshot.width();
+            let (table, counts) = (snapshot.as_slice().as_ptr(), snapshot.counts().as_ptr());
+            let lease = Bound::new(py, TableLease(snapshot))?.into_any();
+            // SAFETY: the buffers belong to the snapshot that `lease` (the arrays' base object)
+            // keeps alive, and nothing writes to a snapshot while it is shared (`SnapshotPool`
+            // only syncs snapshots it owns alone), so the arrays read the step's table for as
+            // long as anyone holds them.
+            let block_table = unsafe {
+                PyArray2::borrow_from_array(
+                    &ArrayView2::from_shape_ptr((n, width), table),
+                    lease.clone(),
+                )
+            };
+            let counts = unsafe {
+                PyArray1::borrow_from_array(&ArrayView1::from_shape_ptr(n, counts), lease)
+            };
+            // The base is no writable buffer, so read-only arrays cannot be made writable again.
+            Ok((read_only(block_table).unbind(), read_only(counts).unbind()))
+        })
+    }
 }
 
 impl PySchedulerOutput {
@@ -179,8 +260,6 @@ impl PySchedulerOutput {
         step_id: u64,
         req_ids: Py<PyTuple>,
         total_num_scheduled_tokens: usize,
-        block_table: Py<PyArray2<i32>>,
-        num_blocks_per_row: Py<PyArray1<i32>>,
         num_scheduled_tokens_array: Py<PyArray1<i32>>,
         num_computed_tokens: Py<PyArray1<i32>>,
         query_start_loc: Py<PyArray1<i32>>,
@@ -190,13 +269,12 @@ impl PySchedulerOutput {
         scheduled_new_reqs: Py<PyTuple>,
         num_lookahead_tokens: usize,
         parts: LazyParts,
+        table: StepTable,
     ) -> Self {
         Self {
             step_id,
             req_ids,
             total_num_scheduled_tokens,
-            block_table,
-            num_blocks_per_row,
             num_scheduled_tokens_array,
             num_computed_tokens,
             query_start_loc,
@@ -206,12 +284,32 @@ impl PySchedulerOutput {
             scheduled_new_reqs,
             num_lookahead_tokens,
             parts,
+            table,
         }
     }
 }
 
 #[pymethods]
 impl PySchedulerOutput {
+    /// int32 `[num_reqs, width]`: row `i` holds `req_ids[i]`'s blocks as the step was returned,
+    /// zeros past its count (read-only; frozen at first read).
+    #[getter]
+    fn block_table(&self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
+        Ok(self.table.arrays(py)?.0.clone_ref(py))
+    }
+
+    /// int32 `[num_reqs]`: the used entries of each `block_table` row (read-only).
+    #[getter]
+    fn num_blocks_per_row(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i32>>> {
+        Ok(self.table.arrays(py)?.1.clone_ref(py))
+    }
+
+    /// Garbage-collector support: the scheduler the output refers to (a cycle through it, e.g.
+    /// a config holding outputs, is then collected).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.table.scheduler)
+    }
+
     /// Number of scheduled requests.
     #[getter]
     fn num_reqs(&self, py: Python<'_>) -> usize {

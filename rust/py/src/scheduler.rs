@@ -2,14 +2,13 @@
 //! flat arrays. Request ids are interned once per request, so a step creates no Python string
 //! and no Python object per block.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, Weak};
 
 use dflash_core::table_snapshot::{SnapshotPool, TableSnapshot};
 use dflash_core::{
     CoreError, EntryKind, FinishReason, PauseState, Scheduler, StepOutput, UpdateOutput,
 };
-use numpy::ndarray::{ArrayView1, ArrayView2};
-use numpy::{PyArray1, PyArray2};
+use numpy::PyArray1;
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -21,7 +20,8 @@ use crate::convert::{strict_bool, token_ids, OutputArg, RequestId, Text};
 use crate::errors::{invalid, to_py, unless_fatal, wrong_type, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::outputs::{
-    read_only, LazyParts, PyNewRequestData, PyRequestOutput, PySchedulerOutput, PyUpdateResult,
+    read_only, LazyParts, LazyTable, PyNewRequestData, PyRequestOutput, PySchedulerOutput,
+    PyUpdateResult, StepTable,
 };
 use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec, runner_attr};
 
@@ -50,11 +50,12 @@ struct State {
     last_req_ids: Option<Py<PyTuple>>,
     /// Frozen block tables of the steps handed out.
     snapshots: SnapshotPool,
+    /// Tables of steps handed out and not read yet, oldest first: the journal keeps what they
+    /// need, or they are frozen before it forgets.
+    unread: Vec<Weak<LazyTable>>,
+    /// Journaled table changes past which the journal is trimmed.
+    journal_cap: usize,
 }
-
-/// Keeps a step's block-table snapshot alive: the base object of its numpy arrays.
-#[pyclass(module = "dflash_rs._core", name = "_BlockTableSnapshot", frozen)]
-struct TableLease(#[allow(dead_code)] Arc<TableSnapshot>);
 
 impl State {
     fn intern_id(&mut self, py: Python<'_>, slot: u32, id: &str) {
@@ -120,30 +121,58 @@ impl State {
         Ok(tuple)
     }
 
-    fn build_output(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
+    /// Freezes `lazy`'s table (at its version) unless done: a snapshot nothing changes while
+    /// held.
+    fn freeze(&mut self, py: Python<'_>, lazy: &LazyTable) -> PyResult<Arc<TableSnapshot>> {
+        if let Some(s) = lazy.snapshot.get() {
+            return Ok(s.clone());
+        }
+        let snapshot = self
+            .snapshots
+            .take(self.inner.block_table(), lazy.version)
+            .py(py)?;
+        Ok(lazy.snapshot.get_or_init(|| snapshot).clone())
+    }
+
+    /// Bounds the table's journal: once it holds more than `journal_cap` changes, the unread
+    /// tables that need its older half are frozen and that half is dropped.
+    fn maintain_journal(&mut self, py: Python<'_>) -> PyResult<()> {
+        let Some(journal) = self.inner.block_table().journal() else {
+            return Ok(());
+        };
+        let over = journal.len() > self.journal_cap;
+        if !over && self.unread.len() < 64 {
+            return Ok(());
+        }
+        let unread_now = |w: &Weak<LazyTable>| w.upgrade().filter(|t| t.snapshot.get().is_none());
+        self.unread.retain(|w| unread_now(w).is_some());
+        if !over {
+            return Ok(());
+        }
+        let cutoff = journal.end() - (self.journal_cap / 2) as u64;
+        for table in self.unread.clone().iter().filter_map(unread_now) {
+            if table.version < cutoff {
+                self.freeze(py, &table)?;
+            }
+        }
+        self.unread.retain(|w| unread_now(w).is_some());
+        self.inner.trim_block_table_journal(cutoff);
+        Ok(())
+    }
+
+    fn build_output(&mut self, slf: &Bound<'_, PyScheduler>) -> PyResult<PySchedulerOutput> {
+        let py = slf.py();
+        self.maintain_journal(py)?;
         let req_ids = self.req_ids_tuple(py)?;
-        let snapshot = self.snapshots.take(self.inner.block_table()).py(py)?;
+        let lazy = Arc::new(LazyTable {
+            version: self.inner.block_table().version(),
+            snapshot: OnceLock::new(),
+        });
+        self.unread.push(Arc::downgrade(&lazy));
         let this = &*self;
         let step = &this.step;
         let n = step.num_reqs();
-        let width = snapshot.width();
-        let (table, counts) = (snapshot.as_slice(), snapshot.counts());
-        let (table, counts) = (table.as_ptr(), counts.as_ptr());
-        let lease = Bound::new(py, TableLease(snapshot))?.into_any();
-        // SAFETY: the buffers belong to the snapshot that `lease` (the arrays' base object)
-        // keeps alive, and nothing writes to a snapshot while it is shared (`SnapshotPool`
-        // only syncs snapshots it owns alone), so the arrays read the step's table for as
-        // long as anyone holds them.
-        let block_table = unsafe {
-            let view = ArrayView2::from_shape_ptr((n, width), table);
-            PyArray2::borrow_from_array(&view, lease.clone())
-        };
-        let counts = unsafe {
-            let view = ArrayView1::from_shape_ptr(n, counts);
-            PyArray1::borrow_from_array(&view, lease)
-        };
-        // Read-only; the base is no writable buffer, so they cannot be made writable again.
-        let (block_table, counts) = (read_only(block_table), read_only(counts));
+        let table = StepTable::new(n, lazy, slf.clone().unbind());
         let mut new_reqs = Vec::new();
         let mut kinds = Vec::with_capacity(n);
         for (i, kind) in step.kinds.iter().enumerate() {
@@ -188,8 +217,6 @@ impl State {
             step.step_id,
             req_ids.unbind(),
             step.total_num_scheduled_tokens,
-            block_table.unbind(),
-            counts.unbind(),
             read_only(PyArray1::from_slice(py, &step.num_scheduled_tokens)).unbind(),
             read_only(PyArray1::from_slice(py, &step.num_computed_tokens)).unbind(),
             read_only(PyArray1::from_slice(py, &step.query_start_loc)).unbind(),
@@ -199,6 +226,7 @@ impl State {
             PyTuple::new(py, new_reqs)?.unbind(),
             step.num_lookahead_tokens,
             parts,
+            table,
         ))
     }
 
@@ -346,13 +374,28 @@ impl State {
     }
 }
 
+impl PyScheduler {
+    /// Freezes a step's table (see [`State::freeze`]): called when it is first read.
+    pub fn freeze_table(&self, py: Python<'_>, lazy: &LazyTable) -> PyResult<Arc<TableSnapshot>> {
+        self.state.with(py, |st| st.freeze(py, lazy))
+    }
+}
+
 #[pymethods]
 impl PyScheduler {
     #[new]
     fn new(py: Python<'_>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
         let core_config = config_from_py(config)?;
         let max_model_len = core_config.max_model_len;
-        let inner = Scheduler::new(core_config).py(py)?;
+        let mut inner = Scheduler::new(core_config).py(py)?;
+        inner.enable_block_table_journal();
+        // A few steps of appends (one change per block), and no more: at 16 bytes a change it
+        // stays in cache, written for every block allocated.
+        let journal_cap = inner
+            .config()
+            .max_num_seqs
+            .saturating_mul(4)
+            .clamp(4096, 1 << 20);
         let state = State {
             inner,
             ids: Vec::new(),
@@ -361,6 +404,8 @@ impl PyScheduler {
             update: UpdateOutput::default(),
             last_req_ids: None,
             snapshots: SnapshotPool::new(),
+            unread: Vec::new(),
+            journal_cap,
         };
         Ok(Self {
             state: Guarded::new(state, "Scheduler"),
@@ -405,11 +450,12 @@ impl PyScheduler {
     }
 
     /// Plans one step.
-    fn schedule(&self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
-        self.state.with(py, |st| {
+    fn schedule(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
+        let py = slf.py();
+        slf.get().state.with(py, |st| {
             let (inner, step) = (&mut st.inner, &mut st.step);
             py.detach(|| inner.schedule(step)).py(py)?;
-            st.build_output(py)
+            st.build_output(slf)
         })
     }
 

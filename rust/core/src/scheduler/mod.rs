@@ -251,6 +251,17 @@ impl Scheduler {
         self.rows.table()
     }
 
+    /// Starts journaling the block table's changes, so a snapshot of any journaled version can
+    /// be made later ([`crate::table_snapshot`]); the caller trims the journal.
+    pub fn enable_block_table_journal(&mut self) {
+        self.rows.table_journal_mut().enable();
+    }
+
+    /// Drops the block table's journaled changes before `version`.
+    pub fn trim_block_table_journal(&mut self, version: u64) {
+        self.rows.table_journal_mut().trim(version);
+    }
+
     /// Counters.
     pub fn stats(&self) -> &SchedulerStats {
         &self.stats
