@@ -430,7 +430,9 @@ def test_mixed_serving_is_owned(k, policy, seeded_rng):
     """Everything at once: staggered arrivals, shared prefixes, chunked prefill (budget 32),
     a tight pool (preemption), priorities, random acceptance."""
     _, rng = seeded_rng
-    sched = make_scheduler(k, num_blocks=14, max_num_batched_tokens=32, policy=policy)
+    sched = make_scheduler(
+        k, num_blocks=14, max_model_len=208, max_num_batched_tokens=32, policy=policy
+    )
     bases = [prompt(48, 40 + b) for b in range(3)]
     arrivals: Dict[int, List[Request]] = {}
     for i in range(20):

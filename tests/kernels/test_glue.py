@@ -190,7 +190,9 @@ def test_first_from_numpy_of_a_read_only_view_warns_nothing_in_a_fresh_process()
         import numpy as np
         from dflash_rs import Request, Scheduler, SchedulerConfig, SpeculativeConfig
         from dflash_rs.kernels import kernel_inputs_from_output
-        sched = Scheduler(SchedulerConfig(64, speculative=SpeculativeConfig("dflash", 3)))
+        sched = Scheduler(
+            SchedulerConfig(64, max_model_len=256, speculative=SpeculativeConfig("dflash", 3))
+        )
         sched.add_request(Request("a", [5] * 20, 4))
         out = sched.schedule()
         assert not out.block_table.flags.writeable
