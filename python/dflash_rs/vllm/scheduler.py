@@ -219,7 +219,7 @@ class DFlashRsScheduler(SchedulerInterface):
             sampled = model_runner_output.sampled_token_ids
             if not sampled:
                 sampled = [[]] * len(req_ids)
-            elif model_runner_output.req_ids != req_ids:
+            elif tuple(model_runner_output.req_ids) != req_ids:  # the core's ids are a tuple
                 index = model_runner_output.req_id_to_index
                 sampled = [sampled[index[rid]] for rid in req_ids]
             update = self._core.update_from_output_arrays(
@@ -262,7 +262,7 @@ class DFlashRsScheduler(SchedulerInterface):
         book = self._book
         book.drafts.update((rid, d) for rid, d in zip(ids, lists) if rid in book.requests)
         last = self._last_core_out
-        if last is not None and ids == last.req_ids:
+        if last is not None and tuple(ids) == last.req_ids:  # the core's ids are a tuple
             # The runner kept the last step's batch order: flat arrays, no dict to parse.
             counts = np.fromiter(map(len, lists), np.int32, len(lists))
             flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(counts.sum()))
