@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from dflash_rs._checks import as_int
+from dflash_rs._checks import checked_int
 from dflash_rs.errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["SPECULATIVE_METHODS", "SchedulerConfig", "SpeculativeConfig"]
@@ -20,7 +20,6 @@ _LOOKAHEAD_POLICIES = ("correct", "legacy-first-prefill", "legacy-k")
 _HASH_ALGOS = ("sha256", "blake3", "xxh3_128")
 
 
-_INT64_MAX = 2**63 - 1
 #: Block ids, token positions and counts reach the model runner as int32 (the block table,
 #: ``query_start_loc``, ...), so the fields they derive from are bounded by it (the Rust core's
 #: ``limits`` module, which also bounds the memory the tables take up front).
@@ -37,13 +36,7 @@ _INT32_FIELDS = (
 def _check_int(config: object, name: str, minimum: int) -> None:
     """Checks the int field ``name`` of a frozen config; a numpy integer is stored as an int."""
     value = getattr(config, name)
-    checked = as_int(value)
-    if checked is None:
-        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__}")
-    if checked < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {checked}")
-    if checked > _INT64_MAX:
-        raise InvalidArgumentError(f"{name} must be <= 2**63 - 1, got {checked}")
+    checked = checked_int(name, value, minimum)
     if checked is not value:
         object.__setattr__(config, name, checked)
 

@@ -8,26 +8,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from dflash_rs._checks import as_int
+from dflash_rs._checks import INT64_MAX, INT64_MIN, as_int, checked_int
 from dflash_rs.errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["ModelRunnerOutput", "Request"]
 
 _MAX_TOKEN_ID = 2**31 - 1
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _now = time.time
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    """An int in ``[minimum, 2**63 - 1]`` (the scheduler stores 64-bit values), as an int."""
-    checked = as_int(value)
-    if checked is None:
-        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__}")
-    if checked < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {checked}")
-    if checked > _INT64_MAX:
-        raise InvalidArgumentError(f"{name} must be <= 2**63 - 1, got {checked}")
-    return checked
 
 
 def _check_token(name: str, value: Any) -> int:
@@ -67,18 +54,18 @@ class Request:
         if not self.request_id:
             raise InvalidArgumentError("request_id must be a non-empty string")
         value = self.max_tokens
-        if type(value) is not int or not 1 <= value <= _INT64_MAX:
-            self.max_tokens = _check_int("max_tokens", value, 1)
+        if type(value) is not int or not 1 <= value <= INT64_MAX:
+            self.max_tokens = checked_int("max_tokens", value, 1)
         value = self.min_tokens
-        if type(value) is not int or not 0 <= value <= _INT64_MAX:
-            self.min_tokens = _check_int("min_tokens", value, 0)
+        if type(value) is not int or not 0 <= value <= INT64_MAX:
+            self.min_tokens = checked_int("min_tokens", value, 0)
         if self.min_tokens > self.max_tokens:
             raise InvalidArgumentError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         value = self.priority
-        if type(value) is not int or not _INT64_MIN <= value <= _INT64_MAX:
-            self.priority = _check_int("priority", value, _INT64_MIN)
+        if type(value) is not int or not INT64_MIN <= value <= INT64_MAX:
+            self.priority = checked_int("priority", value, INT64_MIN)
         if self.ignore_eos is not False and self.ignore_eos is not True:
             raise ArgumentTypeError(
                 f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}"
