@@ -27,8 +27,8 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use arbitrary::{Arbitrary, Unstructured};
 use dflash_core::lookahead::SpecMethod;
 use dflash_core::{
-    CoreError, EntryKind, ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec, Scheduler,
-    SchedulerConfig, StepOutput, UpdateOutput,
+    CoreError, CoreResult, EntryKind, ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec,
+    Scheduler, SchedulerConfig, StepOutput, UpdateOutput,
 };
 
 use crate::{prompt_tokens, Lcg};
@@ -864,23 +864,14 @@ impl Harness {
                 self.stats.refused_calls += 1;
                 return;
             }
-            let over_k = counts.iter().any(|&c| c as usize > k);
-            let before = over_k.then(|| self.snapshot());
-            match self
+            let before = counts
+                .iter()
+                .any(|&c| c as usize > k)
+                .then(|| self.snapshot());
+            let res = self
                 .sched
-                .update_draft_token_ids_for_slots(&slots, &tokens, &counts)
-            {
-                Err(_) if over_k => {
-                    assert_eq!(
-                        before,
-                        Some(self.snapshot()),
-                        "refused drafts changed state"
-                    );
-                    self.stats.refused_calls += 1;
-                }
-                Err(e) => panic!("well-formed draft update by slot failed: {e}"),
-                Ok(_) => assert!(!over_k, "more than K drafts by slot accepted"),
-            }
+                .update_draft_token_ids_for_slots(&slots, &tokens, &counts);
+            self.expect_drafts_result(res, before, "by slot");
         } else {
             let ids: Vec<String> = self
                 .sched
@@ -897,23 +888,31 @@ impl Harness {
                     (id, d)
                 })
                 .collect();
-            let over_k = drafts.iter().any(|(_, d)| d.len() > k);
-            let before = over_k.then(|| self.snapshot());
+            let before = drafts
+                .iter()
+                .any(|(_, d)| d.len() > k)
+                .then(|| self.snapshot());
             let res = self
                 .sched
                 .update_draft_token_ids(drafts.iter().map(|(id, d)| (id.as_str(), d.as_slice())));
-            match res {
-                Err(_) if over_k => {
-                    assert_eq!(
-                        before,
-                        Some(self.snapshot()),
-                        "refused drafts changed state"
-                    );
-                    self.stats.refused_calls += 1;
-                }
-                Err(e) => panic!("well-formed draft update failed: {e}"),
-                Ok(_) => assert!(!over_k, "more than K drafts accepted"),
+            self.expect_drafts_result(res, before, "by id");
+        }
+    }
+
+    /// A draft update is refused, changing nothing, exactly when it gave more than K drafts
+    /// (`before` holds the state then).
+    fn expect_drafts_result<T>(&mut self, res: CoreResult<T>, before: Option<String>, how: &str) {
+        match res {
+            Err(_) if before.is_some() => {
+                assert_eq!(
+                    before,
+                    Some(self.snapshot()),
+                    "refused drafts changed state"
+                );
+                self.stats.refused_calls += 1;
             }
+            Err(e) => panic!("well-formed draft update {how} failed: {e}"),
+            Ok(_) => assert!(before.is_none(), "more than K drafts {how} accepted"),
         }
     }
 
