@@ -127,11 +127,6 @@ impl TableJournal {
         self.changes.is_empty()
     }
 
-    /// Entries of the arena stored.
-    pub fn arena_len(&self) -> usize {
-        self.arena.len()
-    }
-
     /// Whether `version` can be reached.
     pub fn covers(&self, version: u64) -> bool {
         (self.start..=self.end()).contains(&version)
