@@ -10,12 +10,19 @@ what EngineCore's synchronous ``step()`` + ``post_step()`` ask of the scheduler:
     sched.update_from_output(so, mro)                              # timed
     sched.update_draft_token_ids(DraftTokenIds(...))               # timed
 
-Workload: ``dflash-rs bench``'s decode mode (python/dflash_rs/bench): N requests admitted at
-once, prompts of 128..2048 tokens (even ids share a 512-token prefix), max_tokens 2048 so none
-finishes in the window, DFlash with K drafts, uniform 0..K accepted plus a bonus token, K random
-drafts for every request that sampled. The fabricated runner output lists requests in the order
-of ``so.num_scheduled_tokens`` (``--runner-order shuffled`` shuffles it instead). Measured: 150
-steps after every request finished its prefill plus 20 warm-up steps; CPU time of this thread
+Workloads (``--modes``), those of ``dflash-rs bench`` (python/dflash_rs/bench): prompts of
+128..2048 tokens (even ids share a 512-token prefix), DFlash with K drafts, uniform 0..K accepted
+plus a bonus token, K random drafts for every request that sampled.
+
+- ``decode``: N requests admitted at once, max_tokens 2048 so none finishes in the window; every
+  measured step schedules all N.
+- ``serve``: a closed loop of N requests with max_tokens drawn from 1..``--serve-max-tokens``
+  (256); each finished request is replaced by a new one (``add_request``, timed apart as
+  ``admit``), so steps mix chunked prefills, decodes, finishes and admissions.
+
+The fabricated runner output lists requests in the order of ``so.num_scheduled_tokens``
+(``--runner-order shuffled`` shuffles it instead). Measured: 150 steps after every initial
+request finished its prefill plus 20 warm-up steps; CPU time of this thread
 (``time.thread_time_ns``). Reps are interleaved (vLLM, ours, ours, vLLM, ...) and each cell is
 the median over reps of the per-rep p50. The heap is frozen after setup and the collector stays
 on, as in EngineCore.
@@ -46,12 +53,14 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 import numpy as np
 
-PHASES = ("schedule", "update", "drafts", "total")
+PHASES = ("schedule", "update", "drafts", "total", "admit")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", default="256,1024", help="running requests N (comma list)")
+    p.add_argument("--modes", default="decode", help="decode and/or serve (comma list)")
+    p.add_argument("--serve-max-tokens", type=int, default=256, help="serve: max_tokens 1..this")
     p.add_argument("-k", type=int, default=8, help="DFlash K")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup-steps", type=int, default=20)
@@ -118,7 +127,9 @@ class Runner:
         for eco in outputs.values():
             for o in eco.outputs:
                 self.num_tokens[o.request_id] += len(o.new_token_ids)
-                finished += o.finish_reason is not None
+                if o.finish_reason is not None:
+                    finished += 1
+                    del self.num_tokens[o.request_id]
         return finished
 
     def drafts(self, live: list[str]) -> Any:
@@ -126,14 +137,18 @@ class Runner:
         return self.Drafts(req_ids=live, draft_token_ids=tokens)
 
 
-def run_one(offline: Any, side: str, n: int, a: argparse.Namespace, rep: int) -> dict[str, Any]:
+def run_one(
+    offline: Any, side: str, mode: str, n: int, a: argparse.Namespace, rep: int
+) -> dict[str, Any]:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from dflash_rs.bench.workload import Workload
     from dflash_rs.vllm import DFlashRsScheduler
 
     cls = Scheduler if side == "vllm" else DFlashRsScheduler
-    per_req = math.ceil((a.max_prompt + a.max_tokens + a.k + 2) / a.block_size) + 1
+    serve = mode == "serve"
+    max_tokens = a.serve_max_tokens if serve else a.max_tokens
+    per_req = math.ceil((a.max_prompt + max_tokens + a.k + 2) / a.block_size) + 1
     cfg, kv = offline.configs(
         num_blocks=n * per_req + 1,
         method="dflash",
@@ -148,11 +163,23 @@ def run_one(offline: Any, side: str, n: int, a: argparse.Namespace, rep: int) ->
     seed = a.seed + 1000 * n + rep
     wl = Workload(SimpleNamespace(**vars(a)), seed)
     runner = Runner(a.k, seed + 7919)
-    for _ in range(n):
+    draw = np.random.default_rng(seed + 104729)
+
+    def admit() -> int:
+        """Admits the next request; returns the CPU time of add_request."""
         rid, prompt = wl.next(as_array=False)
-        sched.add_request(offline.request(rid, prompt, a.max_tokens, hasher))
+        mt = int(draw.integers(1, max_tokens + 1)) if serve else max_tokens
+        req = offline.request(rid, prompt, mt, hasher)
         runner.add(rid, len(prompt))
+        t = now()
+        sched.add_request(req)
+        return now() - t
+
     now = time.thread_time_ns
+    initial = set()
+    for _ in range(n):
+        admit()
+        initial.add(f"r{wl.counter - 1}")
     times: dict[str, list[int]] = {ph: [] for ph in PHASES}
     state, warm, steps, scheduled = "fill", a.warmup_steps, 0, []
     gc.collect()
@@ -176,13 +203,19 @@ def run_one(offline: Any, side: str, n: int, a: argparse.Namespace, rep: int) ->
                 t4 = now()
                 sched.update_draft_token_ids(drafts)
                 td = now() - t4
-            if runner.consume(outs):
+            finished = runner.consume(outs)
+            if finished and not serve:
                 raise RuntimeError("a request finished inside the window; raise --max-tokens")
+            ta = sum(admit() for _ in range(finished))
+            initial.difference_update(live)
             if state == "measure":
-                for ph, dt in zip(PHASES, (t1 - t0, t3 - t2, td, (t1 - t0) + (t3 - t2) + td)):
+                total = (t1 - t0) + (t3 - t2) + td
+                for ph, dt in zip(PHASES, (t1 - t0, t3 - t2, td, total, ta)):
                     times[ph].append(dt)
                 scheduled.append(len(so.num_scheduled_tokens))
-            elif state == "fill" and prefill == 0 and len(live) == n:
+            elif state == "fill" and (
+                (serve and not initial) or (not serve and prefill == 0 and len(live) == n)
+            ):
                 state = "warmup"
             elif state == "warmup":
                 warm -= 1
@@ -190,11 +223,13 @@ def run_one(offline: Any, side: str, n: int, a: argparse.Namespace, rep: int) ->
                     state = "measure"
     finally:
         gc.unfreeze()
-    assert min(scheduled) == n, "not every request was scheduled in every measured step"
-    del sched
+    if not serve:
+        assert min(scheduled) == n, "not every request was scheduled in every measured step"
+    sched = None  # free it before collecting (the admit closure holds the cell)
     gc.collect()
     return {
         "side": side,
+        "mode": mode,
         "n": n,
         "rep": rep,
         "steps": steps,
@@ -212,45 +247,46 @@ def main(argv: list[str]) -> int:
     from dflash_rs.vllm.offline import OfflineVllm
 
     ns = [int(x) for x in a.n.split(",")]
+    modes = a.modes.split(",")
     sides = a.sides.split(",")
+    cells = [(mode, n) for mode in modes for n in ns]
     runs = []
     with tempfile.TemporaryDirectory(prefix="dflash-rs-vllm-bench-") as root:
         offline = OfflineVllm(root)
         for rep in range(a.reps):
-            for n in ns:
+            for mode, n in cells:
                 order = sides if rep % 2 == 0 else sides[::-1]
                 for side in order:
                     t = time.perf_counter()
-                    r = run_one(offline, side, n, a, rep)
+                    r = run_one(offline, side, mode, n, a, rep)
                     r["wall_s"] = time.perf_counter() - t
                     runs.append(r)
                     print(
-                        f"rep {rep} N={n} {side:9s}: total p50 {r['p50_us']['total']:9.1f} us "
-                        f"(schedule {r['p50_us']['schedule']:.1f}, update "
-                        f"{r['p50_us']['update']:.1f}, drafts {r['p50_us']['drafts']:.1f}); "
-                        f"{r['steps']} steps, {r['wall_s']:.0f} s",
+                        f"rep {rep} {mode} N={n} {side:9s}: total p50 "
+                        f"{r['p50_us']['total']:9.1f} us (schedule {r['p50_us']['schedule']:.1f}, "
+                        f"update {r['p50_us']['update']:.1f}, drafts {r['p50_us']['drafts']:.1f}"
+                        f"); {r['steps']} steps, {r['wall_s']:.0f} s",
                         file=sys.stderr,
                         flush=True,
                     )
     summary: dict[str, Any] = {}
-    for n in ns:
+    for mode, n in cells:
+        cell = [r for r in runs if r["n"] == n and r["mode"] == mode]
         for side in sides:
-            mine = [r for r in runs if r["n"] == n and r["side"] == side]
-            summary[f"{side}/{n}"] = {
+            mine = [r for r in cell if r["side"] == side]
+            summary[f"{side}/{mode}/{n}"] = {
                 ph: statistics.median(r["p50_us"][ph] for r in mine) for ph in PHASES
             } | {"p99_total": statistics.median(r["p99_us"]["total"] for r in mine)}
         # Ratio of the two sides within each rep (run back to back), then the median: less
         # exposed to load that drifts between reps than the ratio of the medians.
-        pairs = {
-            r["rep"]: r["p50_us"]["total"] for r in runs if r["n"] == n and r["side"] == "vllm"
-        }
+        pairs = {r["rep"]: r["p50_us"]["total"] for r in cell if r["side"] == "vllm"}
         ratios = [
             pairs[r["rep"]] / r["p50_us"]["total"]
-            for r in runs
-            if r["n"] == n and r["side"] == "dflash-rs" and r["rep"] in pairs
+            for r in cell
+            if r["side"] == "dflash-rs" and r["rep"] in pairs
         ]
         if ratios:
-            summary[f"paired_ratio/{n}"] = {
+            summary[f"paired_ratio/{mode}/{n}"] = {
                 "median": statistics.median(ratios),
                 "min": min(ratios),
                 "max": max(ratios),
@@ -274,18 +310,19 @@ def main(argv: list[str]) -> int:
     if a.markdown:
         x = "\u00d7"
         print(
-            "| N | vLLM 0.33 `Scheduler` p50 (µs) | `DFlashRsScheduler` p50 (µs) | ratio "
-            "| paired ratio (min-max) | vLLM schedule / update / drafts "
+            f"| mode | N | vLLM {vllm.__version__} `Scheduler` p50 (µs) | `DFlashRsScheduler` p50 "
+            "(µs) | ratio | paired ratio (min-max) | vLLM schedule / update / drafts "
             "| ours schedule / update / drafts |"
         )
-        print("|---:|---:|---:|---:|---:|---|---|")
-        for n in ns:
-            v, d = summary.get(f"vllm/{n}"), summary.get(f"dflash-rs/{n}")
-            pr = summary.get(f"paired_ratio/{n}")
+        print("|---|---:|---:|---:|---:|---:|---|---|")
+        for mode, n in cells:
+            v, d = summary.get(f"vllm/{mode}/{n}"), summary.get(f"dflash-rs/{mode}/{n}")
+            pr = summary.get(f"paired_ratio/{mode}/{n}")
             if not v or not d or not pr:
                 continue
             print(
-                f"| {n} | {v['total']:,.0f} | {d['total']:,.0f} | {v['total'] / d['total']:.1f}{x} "
+                f"| {mode} | {n} | {v['total']:,.0f} | {d['total']:,.0f} "
+                f"| {v['total'] / d['total']:.1f}{x} "
                 f"| {pr['median']:.1f}{x} ({pr['min']:.1f}-{pr['max']:.1f}) "
                 f"| {v['schedule']:,.0f} / {v['update']:,.0f} / {v['drafts']:,.0f} "
                 f"| {d['schedule']:,.0f} / {d['update']:,.0f} / {d['drafts']:,.0f} |"

@@ -186,6 +186,42 @@ class UpdateResult:
     def __len__(self) -> int: ...
 
 @final
+class _VllmBridge:
+    """Private to ``dflash_rs.vllm``: builds and reads vLLM's per-step objects in Rust."""
+
+    def __new__(
+        cls,
+        scheduler: Scheduler,
+        scheduler_output: Any,
+        cached_request_data: Any,
+        engine_core_output: Any,
+        *,
+        v2: bool,
+        async_scheduling: bool,
+    ) -> _VllmBridge: ...
+    def scheduler_output(
+        self, step: SchedulerOutput, new_reqs: list[Any], num_spec_tokens: int
+    ) -> Any: ...
+    def engine_outputs(
+        self,
+        step: SchedulerOutput,
+        runner_output: Any,
+        slow: set[str],
+        *,
+        all_slow: bool,
+        want_ids: bool,
+    ) -> tuple[
+        list[Any],
+        list[tuple[int, str, list[int], Optional[str], Optional[int]]],
+        Optional[list[str]],
+    ]: ...
+    def update_draft_token_ids(self, draft_token_ids: Any) -> int: ...
+    def stats_counters(
+        self,
+    ) -> tuple[int, int, float, list[int], int, int, int, list[int], list[int]]: ...
+    def forget_previous_step(self) -> None: ...
+
+@final
 class Scheduler:
     def __new__(cls, config: Any) -> Scheduler: ...
     @property

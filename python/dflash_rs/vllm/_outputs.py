@@ -1,14 +1,17 @@
 """dflash-rs step outputs -> vLLM's ``SchedulerOutput`` and ``EngineCoreOutputs``.
 
-Only Python objects vLLM's types require are built here; the per-request dicts and lists come
-ready-made from the Rust core (``num_scheduled_tokens``, ``scheduled_spec_decode_tokens``,
-``scheduled_cached_reqs``, the finished and preempted id sets).
+The per-request parts are built in Rust, in one pass (``dflash_rs._core._VllmBridge``): the
+``CachedRequestData`` lists, ``num_scheduled_tokens``, ``scheduled_spec_decode_tokens``, and one
+``EngineCoreOutput`` per request that only got tokens. Python builds what needs vLLM's
+``Request`` objects: ``NewRequestData`` of admissions, and the outputs that carry events,
+prefill stats, logprobs or a finish.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+from dflash_rs._core import _VllmBridge
 from dflash_rs.vllm._compat import installed
 from dflash_rs.vllm._requests import RequestBook
 
@@ -20,6 +23,7 @@ class OutputBuilder:
 
     def __init__(
         self,
+        core: Any,
         book: RequestBook,
         num_spec_tokens: int,
         use_v2_model_runner: bool,
@@ -48,16 +52,22 @@ class OutputBuilder:
             "abort": (RequestStatus.FINISHED_ABORTED, FinishReason.ABORT),
             "error": (RequestStatus.FINISHED_ERROR, FinishReason.ERROR),
         }
-        #: Ids scheduled in the previous step (V1 model runner: `all_token_ids` goes to the
-        #: requests that were not).
-        self.prev_scheduled: Any = set()
+        #: Builds the per-request parts in Rust (vLLM's classes resolved once, here).
+        self.bridge = _VllmBridge(
+            core,
+            SchedulerOutput,
+            CachedRequestData,
+            EngineCoreOutput,
+            v2=use_v2_model_runner,
+            async_scheduling=async_scheduling,
+        )
         #: Requests preempted between steps (reset_prefix_cache), already marked preempted;
         #: the next step reports them.
         self.preempted_between_steps: set[str] = set()
         #: Requests that finished in the last engine_outputs call.
         self.num_finished = 0
 
-    def scheduler_output(self, core: Any, out: Any, now: float) -> Any:
+    def scheduler_output(self, out: Any, now: float) -> Any:
         """vLLM's ``SchedulerOutput`` for the dflash-rs step ``out``; updates the bookkeeping
         of admitted and preempted requests."""
         book = self.book
@@ -89,81 +99,7 @@ class OutputBuilder:
             )
             (resumed_reqs if resumed else new_reqs).append(data)
         new_reqs.extend(resumed_reqs)  # vLLM lists new requests first, then resumed ones
-        cached = self._cached(core, out)
-        num_scheduled_tokens = out.num_scheduled_tokens  # a new dict at every access
-        if not self.v2:
-            self.prev_scheduled = num_scheduled_tokens.keys()
-        return self.SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=out.total_num_scheduled_tokens,
-            scheduled_spec_decode_tokens=self._spec_tokens(out),
-            scheduled_encoder_inputs={},
-            finished_req_ids=out.finished_req_ids,
-            free_encoder_mm_hashes=[],
-            preempted_req_ids=out.preempted_req_ids,
-            num_spec_tokens_to_schedule=self.num_spec_tokens,
-        )
-
-    def _spec_tokens(self, out: Any) -> dict[str, list[int]]:
-        """``scheduled_spec_decode_tokens``. The drafts the core scheduled are (a prefix of) the
-        lists the runner handed to ``update_draft_token_ids``; reusing those list objects, as
-        vLLM does, saves building a new int list per request. Admissions never carry the runner's
-        drafts (a padded admission has placeholder drafts, ``-1``): those steps use the core's."""
-        counts = out.num_spec_tokens_array
-        if not counts.any():
-            return {}
-        if self.async_scheduling:
-            # Placeholders (-1) for drafts the runner proposes after this step was planned;
-            # drafts handed to update_draft_token_ids may be older than the step.
-            return out.scheduled_spec_decode_tokens
-        drafts = self.book.drafts
-        admitted = {r.req_id for r in out.scheduled_new_reqs}
-        spec = {}
-        for rid, n in zip(out.req_ids, counts.tolist()):
-            if n:
-                d = drafts.get(rid)
-                if d is None or len(d) < n or rid in admitted:
-                    return out.scheduled_spec_decode_tokens  # not from update_draft_token_ids
-                spec[rid] = d if len(d) == n else d[:n]
-        return spec
-
-    def _cached(self, core: Any, out: Any) -> Any:
-        c = out.scheduled_cached_reqs
-        req_ids = c.req_ids
-        resumed = c.resumed_req_ids
-        new_block_ids = [None if b is None else (b,) for b in c.new_block_ids]
-        num_computed = c.num_computed_tokens
-        all_token_ids: dict[str, list[int]] = {}
-        if resumed and self.v2:
-            # V2: resumed requests travel in scheduled_new_reqs only.
-            keep = [i for i, rid in enumerate(req_ids) if rid not in resumed]
-            req_ids = [req_ids[i] for i in keep]
-            new_block_ids = [new_block_ids[i] for i in keep]
-            num_computed = [num_computed[i] for i in keep]
-            resumed = set()
-        elif not self.v2:
-            prev = self.prev_scheduled
-            for rid in req_ids:
-                if rid not in prev:
-                    all_token_ids[rid] = core.all_token_ids(rid)
-        num_output = self.book.num_output
-        if self.async_scheduling:
-            # vLLM counts the outputs of the steps in flight too.
-            ph = dict(zip(out.req_ids, out.num_output_placeholders.tolist()))
-            num_output_tokens = [num_output[rid] + ph[rid] for rid in req_ids]
-        else:
-            num_output_tokens = [num_output[rid] for rid in req_ids]
-        return self.CachedRequestData(
-            req_ids=req_ids,
-            resumed_req_ids=resumed,
-            new_token_ids=[],
-            all_token_ids=all_token_ids,
-            new_block_ids=new_block_ids,
-            num_computed_tokens=num_computed,
-            num_output_tokens=num_output_tokens,
-        )
+        return self.bridge.scheduler_output(out, new_reqs, self.num_spec_tokens)
 
     def error_output(self, request: Any, message: str, code: str = "validation_error") -> Any:
         """The final output of a request dflash-rs refused or could not serve."""
@@ -183,37 +119,38 @@ class OutputBuilder:
 
     def engine_outputs(
         self,
-        results: Any,
+        out: Any,
         runner_output: Any,
         finished_dict: Optional[dict[int, set[str]]],
-    ) -> dict[int, list[Any]]:
-        """Per client index, one ``EngineCoreOutput`` per request that got tokens; finished
-        requests are marked and forgotten."""
+        want_ids: bool = False,
+    ) -> tuple[dict[int, list[Any]], Optional[list[str]]]:
+        """Applies ``runner_output`` to the step ``out``. Per client index, one
+        ``EngineCoreOutput`` per request that got tokens (finished requests are marked and
+        forgotten), and with ``want_ids`` the ids of those requests."""
         self.num_finished = 0
         book = self.book
-        num_output = book.num_output
-        slow = book.slow_path
-        make = self.EngineCoreOutput
-        nans = runner_output.num_nans_in_logits
         single_client = book.num_other_clients == 0
-        client0: list[Any] = []
-        by_client: dict[int, list[Any]] = {0: client0} if single_client else {}
-        finished = results.finished
-        for rid, tokens in zip(results.req_ids, results.new_token_ids):
-            num_output[rid] += len(tokens)
-            finish = finished.get(rid) if finished else None
-            if single_client and finish is None and rid not in slow and not nans:
-                client0.append(make(rid, tokens))  # the steady-state decode output
-                continue
-            client = 0 if single_client else book.requests[rid].client_index
+        outputs, slow, ids = self.bridge.engine_outputs(
+            out,
+            runner_output,
+            book.slow_path,
+            all_slow=not single_client or bool(runner_output.num_nans_in_logits),
+            want_ids=want_ids,
+        )
+        if single_client:
+            for pos, rid, tokens, reason, stop in slow:
+                finish = None if reason is None else (reason, stop)
+                outputs[pos] = self._engine_output(
+                    finish, rid, tokens, runner_output, finished_dict
+                )
+            return ({0: outputs} if outputs else {}), ids
+        by_client: dict[int, list[Any]] = {}
+        for _, rid, tokens, reason, stop in slow:  # every output is slow with several clients
+            client = book.requests[rid].client_index
+            finish = None if reason is None else (reason, stop)
             eco = self._engine_output(finish, rid, tokens, runner_output, finished_dict)
-            if single_client:
-                client0.append(eco)
-            else:
-                by_client.setdefault(client, []).append(eco)
-        if single_client and not client0:
-            del by_client[0]
-        return by_client
+            by_client.setdefault(client, []).append(eco)
+        return by_client, ids
 
     def _engine_output(
         self,

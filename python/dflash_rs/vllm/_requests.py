@@ -71,8 +71,6 @@ class RequestBook:
         self.Event = EngineCoreEventType
         #: Live requests (waiting, running or preempted), by id.
         self.requests: dict[str, Any] = {}
-        #: Output tokens per live request (CachedRequestData.num_output_tokens).
-        self.num_output: dict[str, int] = {}
         #: Requests with events to attach to their next output.
         self.with_events: set[str] = set()
         #: Requests that have not emitted an output yet (their prefill stats are pending).
@@ -82,15 +80,12 @@ class RequestBook:
         #: Requests whose next output needs more than its tokens (events, prefill stats,
         #: logprobs, trace headers): the union of the sets above.
         self.slow_path: set[str] = set()
-        #: The latest drafts handed to update_draft_token_ids, per live request.
-        self.drafts: dict[str, list[int]] = {}
         #: Requests with a client index other than 0.
         self.num_other_clients = 0
 
     def add(self, request: Any) -> None:
         rid = request.request_id
         self.requests[rid] = request
-        self.num_output[rid] = 0
         self.no_output_yet.add(rid)
         self.slow_path.add(rid)
         if request.sampling_params.num_logprobs is not None or request.trace_headers:
@@ -162,8 +157,6 @@ class RequestBook:
         request.status = status
         if stop_reason is not None:
             request.stop_reason = stop_reason
-        self.num_output.pop(rid, None)
-        self.drafts.pop(rid, None)
         self.no_output_yet.discard(rid)
         self.with_events.discard(rid)
         self.always_slow.discard(rid)

@@ -9,14 +9,12 @@ vLLM's ``SchedulerOutput`` and ``EngineCoreOutputs``.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 
-import numpy as np
 from vllm.multimodal import MULTIMODAL_REGISTRY, MultiModalRegistry
 from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
@@ -31,7 +29,6 @@ from dflash_rs.errors import (
     SchedulerStateError,
     UnsupportedFeatureError,
 )
-from dflash_rs.request import ModelRunnerOutput as CoreRunnerOutput
 from dflash_rs.vllm._config import translate_config
 from dflash_rs.vllm._outputs import OutputBuilder
 from dflash_rs.vllm._requests import RequestBook, core_request, unsupported_reason
@@ -90,7 +87,7 @@ class DFlashRsScheduler(SchedulerInterface):
         self._book = RequestBook(log_stats, block_size, tr.config.enable_prefix_caching)
         self.async_scheduling = tr.async_scheduling
         self._out = OutputBuilder(
-            self._book, tr.num_spec_tokens, tr.use_v2_model_runner, tr.async_scheduling
+            self._core, self._book, tr.num_spec_tokens, tr.use_v2_model_runner, tr.async_scheduling
         )
         #: vLLM's KV/EC connectors: refused at construction, so always None.
         self.connector = None
@@ -103,9 +100,7 @@ class DFlashRsScheduler(SchedulerInterface):
         #: Final outputs of requests refused at add_request or ended inside schedule().
         self._error_outputs: list[Any] = []
         self._finished_dict: Optional[dict[int, set[str]]] = {} if include_finished_set else None
-        #: The latest dflash-rs step (drafts in its batch order take the array path).
-        self._last_core_out: Any = None
-        self._prefix_snapshot: tuple[int, ...] = (0,) * 6
+        self._prefix_snapshot: list[int] = [0] * 6
         #: A prefix-cache reset since the last stats (vLLM's ``PrefixCacheStats.reset``).
         self._prefix_reset = False
         zeros = [0] * self.num_spec_tokens
@@ -192,7 +187,6 @@ class DFlashRsScheduler(SchedulerInterface):
         # nothing (the step still reports finished and preempted ids).
         now = time.monotonic()
         core_out = self._core.schedule()
-        self._last_core_out = core_out
         self._num_finished_unreported = 0  # the step reports every id finished so far
         for rid in core_out.finished_req_ids:
             request = self._book.finished(rid, RequestStatus.FINISHED_ERROR)
@@ -204,7 +198,7 @@ class DFlashRsScheduler(SchedulerInterface):
                 message = "dflash-rs: the KV-cache pool can never hold this request"
                 output = self._out.error_output(request, message, code="internal_error")
                 self._error_outputs.append((request.client_index, output))
-        out = self._out.scheduler_output(self._core, core_out, now)
+        out = self._out.scheduler_output(core_out, now)
         self._in_flight.append((out, core_out))
         return out
 
@@ -213,21 +207,15 @@ class DFlashRsScheduler(SchedulerInterface):
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
         core_out = self._take_in_flight(scheduler_output)
-        results = _NO_RESULTS
+        invalid = getattr(scheduler_output, "num_invalid_spec_tokens", None)
+        updated: Optional[list[str]] = None
         if core_out is not None and len(core_out):
-            req_ids = core_out.req_ids
-            sampled = model_runner_output.sampled_token_ids
-            if not sampled:
-                sampled = [[]] * len(req_ids)
-            elif tuple(model_runner_output.req_ids) != req_ids:  # the core's ids are a tuple
-                index = model_runner_output.req_id_to_index
-                sampled = [sampled[index[rid]] for rid in req_ids]
-            update = self._core.update_from_output_arrays(
-                core_out, CoreRunnerOutput(req_ids, sampled)
+            by_client, updated = self._out.engine_outputs(
+                core_out, model_runner_output, self._finished_dict, want_ids=bool(invalid)
             )
-            results = _Results.of(update, req_ids, sampled)
-        by_client = self._out.engine_outputs(results, model_runner_output, self._finished_dict)
-        self._num_finished_unreported += self._out.num_finished
+            self._num_finished_unreported += self._out.num_finished
+        else:
+            by_client = {}
         if self._error_outputs:
             for client, eco in self._error_outputs:
                 by_client.setdefault(client, []).append(eco)
@@ -242,7 +230,7 @@ class DFlashRsScheduler(SchedulerInterface):
                 eco.finished_requests = ids
             self._finished_dict = {}
         if self.log_stats:
-            stats = self._make_stats(core_out, _invalid_drafts(scheduler_output, results))
+            stats = self._make_stats(core_out, _invalid_drafts(scheduler_output, updated))
             eco = next(iter(outputs.values()), None)
             if eco is None:
                 outputs[0] = eco = EngineCoreOutputs()
@@ -258,17 +246,7 @@ class DFlashRsScheduler(SchedulerInterface):
         return self._in_flight.popleft()[1]
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
-        ids, lists = draft_token_ids.req_ids, draft_token_ids.draft_token_ids
-        book = self._book
-        book.drafts.update((rid, d) for rid, d in zip(ids, lists) if rid in book.requests)
-        last = self._last_core_out
-        if last is not None and tuple(ids) == last.req_ids:  # the core's ids are a tuple
-            # The runner kept the last step's batch order: flat arrays, no dict to parse.
-            counts = np.fromiter(map(len, lists), np.int32, len(lists))
-            flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(counts.sum()))
-            self._core.update_draft_token_ids_from_arrays(last, flat, counts)
-        else:
-            self._core.update_draft_token_ids(dict(zip(ids, lists)))
+        self._out.bridge.update_draft_token_ids(draft_token_ids)
 
     def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> None:
         """Async scheduling: replaces the placeholder drafts of an already built output with
@@ -315,7 +293,7 @@ class DFlashRsScheduler(SchedulerInterface):
             self._out.preempted_between_steps.update(preempted)
             # They are preempted and resumed between two steps: the V1 runner must get their
             # tokens again (vLLM clears prev_step_scheduled_req_ids).
-            self._out.prev_scheduled = set()
+            self._out.bridge.forget_previous_step()
         ok = self._core.reset_prefix_cache()
         if reset_running_requests and not ok:
             raise RuntimeError(
@@ -334,52 +312,47 @@ class DFlashRsScheduler(SchedulerInterface):
         return self._make_stats(None, []) if self.log_stats else None
 
     def _make_stats(self, core_out: Any, invalid: list[tuple[int, int]]) -> SchedulerStats:
-        s = self._core.stats()
+        (running, waiting, usage, prefix, drafts, draft_tokens, accepted, per_pos, draft_pos) = (
+            self._out.bridge.stats_counters()
+        )
         # Counted at admission, as vLLM does: first admissions, and re-admissions after a
         # preemption apart (a lookup that admitted nobody is not counted).
-        prefix = tuple(
-            s[f"prefix_cache_{kind}_{what}"]
-            for kind in ("admitted", "resumed")
-            for what in ("requests", "queries", "hits")
-        )
         old = self._prefix_snapshot
         self._prefix_snapshot = prefix
-        delta = [a - b for a, b in zip(prefix, old)]
         prefix_stats = PrefixCacheStats(
             reset=self._prefix_reset,
-            requests=delta[0],
-            queries=delta[1],
-            hits=delta[2],
-            preempted_requests=delta[3],
-            preempted_queries=delta[4],
-            preempted_hits=delta[5],
+            requests=prefix[0] - old[0],
+            queries=prefix[1] - old[1],
+            hits=prefix[2] - old[2],
+            preempted_requests=prefix[3] - old[3],
+            preempted_queries=prefix[4] - old[4],
+            preempted_hits=prefix[5] - old[5],
         )
         self._prefix_reset = False
         spec_stats = None
         if core_out is not None and self.num_spec_tokens:
-            spec_stats = self._spec_stats(s, invalid)
+            spec_stats = self._spec_stats(
+                (drafts, draft_tokens, accepted, per_pos, draft_pos), invalid
+            )
         return SchedulerStats(
-            num_running_reqs=s["num_running"],
-            num_waiting_reqs=s["num_waiting"],
-            kv_cache_usage=s["kv_cache_usage"],
+            num_running_reqs=running,
+            num_waiting_reqs=waiting,
+            kv_cache_usage=usage,
             prefix_cache_stats=prefix_stats,
             spec_decoding_stats=spec_stats,
         )
 
     def _spec_stats(
-        self, s: dict[str, Any], invalid: list[tuple[int, int]]
+        self,
+        counters: tuple[int, int, int, list[int], list[int]],
+        invalid: list[tuple[int, int]],
     ) -> Optional[SpecDecodingStats]:
-        """This step's SpecDecodingStats from the core's counters; ``invalid`` holds
+        """This step's SpecDecodingStats from the core's cumulative counters (drafts, draft
+        tokens, accepted tokens, accepted and drafted per position); ``invalid`` holds
         (scheduled, invalid) draft counts of verified requests whose drafts were padded."""
-        drafts, tokens, accepted = (
-            s["spec_num_drafts"],
-            s["spec_num_draft_tokens"],
-            s["spec_num_accepted_tokens"],
-        )
-        per_pos = list(s["spec_num_accepted_tokens_per_pos"])
-        draft_pos = list(s["spec_num_draft_tokens_per_pos"])
+        drafts, tokens, accepted, per_pos, draft_pos = counters
         old = self._spec_snapshot
-        self._spec_snapshot = (drafts, tokens, accepted, per_pos, draft_pos)
+        self._spec_snapshot = counters
         if drafts == old[0]:
             return None
         stats = SpecDecodingStats.new(self.num_spec_tokens)
@@ -414,47 +387,12 @@ class DFlashRsScheduler(SchedulerInterface):
         return self._core
 
 
-class _Results(NamedTuple):
-    """One step's update in batch order: the ids of the requests that got tokens, their new
-    tokens, and the finish reason and stop reason of those that finished."""
-
-    req_ids: list[str]
-    new_token_ids: list[list[int]]
-    finished: dict[str, tuple[str, Optional[int]]]
-
-    @classmethod
-    def of(cls, update: Any, req_ids: list[str], sampled: list[list[int]]) -> _Results:
-        """From the core's flat ``UpdateResult``. A request's new tokens are the first ones of
-        what it sampled (the rest were cut by a stop), so the runner's own lists are handed on,
-        as vLLM's scheduler does, instead of one new list per request. The finished lists also
-        name the requests the core ended on its own (no batch entry, reason "error"); only the
-        batch's entries are read from ``finished``: ``schedule()`` already turned those ends
-        into their error outputs, when the step reported them finished."""
-        index = update.batch_index.tolist()
-        counts = update.num_new_tokens.tolist()
-        ids = [req_ids[i] for i in index]
-        tokens = [
-            s if len(s) == n else list(s[:n]) for s, n in zip([sampled[i] for i in index], counts)
-        ]
-        finished = dict(
-            zip(
-                update.finished_req_ids,
-                zip(update.finish_reasons, update.stop_reasons),
-            )
-        )
-        return cls(ids, tokens, finished)
-
-
-_NO_RESULTS = _Results([], [], {})
-
-
-def _invalid_drafts(scheduler_output: Any, results: _Results) -> list[tuple[int, int]]:
-    """(scheduled, invalid) draft counts of the requests verified in this output whose drafts
-    ``update_draft_token_ids_in_output`` padded (vLLM leaves those out of its stats)."""
+def _invalid_drafts(scheduler_output: Any, updated: Optional[list[str]]) -> list[tuple[int, int]]:
+    """(scheduled, invalid) draft counts of the requests verified in this output (``updated``)
+    whose drafts ``update_draft_token_ids_in_output`` padded (vLLM leaves those out of its
+    stats)."""
     invalid = getattr(scheduler_output, "num_invalid_spec_tokens", None)
-    if not invalid:
+    if not invalid or not updated:
         return []
     spec = scheduler_output.scheduled_spec_decode_tokens
-    return [
-        (len(spec[rid]), invalid[rid]) for rid in results.req_ids if rid in invalid and rid in spec
-    ]
+    return [(len(spec[rid]), invalid[rid]) for rid in updated if rid in invalid and rid in spec]

@@ -3,12 +3,15 @@
 
 mod convert;
 mod errors;
+mod fast_call;
 mod guarded;
 mod hash_config;
 mod kv_cache_manager;
 mod outputs;
+mod py_lists;
 mod scheduler;
 mod scheduler_args;
+mod vllm_bridge;
 
 use pyo3::prelude::*;
 
@@ -32,6 +35,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<outputs::PyCachedRequestData>()?;
     m.add_class::<outputs::PyRequestOutput>()?;
     m.add_class::<outputs::PyUpdateResult>()?;
+    m.add_class::<vllm_bridge::PyVllmBridge>()?;
     // Test-only and private: set as an attribute so it stays out of `__all__`.
     #[cfg(feature = "fault-injection")]
     m.setattr(

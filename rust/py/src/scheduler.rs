@@ -38,14 +38,14 @@ pub struct PyScheduler {
 }
 
 /// The scheduler's mutable state, behind the lock.
-struct State {
-    inner: Scheduler,
+pub(crate) struct State {
+    pub(crate) inner: Scheduler,
     /// Interned request id per slot.
     ids: Vec<Option<Py<PyString>>>,
     /// Number of `Some` entries in `ids`.
     num_interned: usize,
     step: StepOutput,
-    update: UpdateOutput,
+    pub(crate) update: UpdateOutput,
     /// The last step's `req_ids` tuple, handed out again while the batch is unchanged.
     last_req_ids: Option<Py<PyTuple>>,
     /// Frozen block tables of the steps handed out.
@@ -71,7 +71,7 @@ impl State {
         }
     }
 
-    fn id_of(&self, py: Python<'_>, slot: u32) -> PyResult<Py<PyString>> {
+    pub(crate) fn id_of(&self, py: Python<'_>, slot: u32) -> PyResult<Py<PyString>> {
         self.ids
             .get(slot as usize)
             .and_then(|x| x.as_ref())
@@ -85,7 +85,7 @@ impl State {
     }
 
     /// Drops interned ids of slots whose requests are gone (a scan only when some are).
-    fn forget_finished(&mut self) {
+    pub(crate) fn forget_finished(&mut self) {
         if self.num_interned == self.inner.num_unfinished() {
             return;
         }
@@ -265,7 +265,7 @@ impl State {
     }
 
     /// Rejects an output of another scheduler.
-    fn check_owner(&self, py: Python<'_>, output: &PySchedulerOutput) -> PyResult<()> {
+    pub(crate) fn check_owner(&self, py: Python<'_>, output: &PySchedulerOutput) -> PyResult<()> {
         if output.parts.scheduler_uid != self.inner.uid() {
             return Err(invalid(
                 py,
@@ -277,7 +277,7 @@ impl State {
 
     /// Checks that `runner_ids` names the step's requests in its order, element by element
     /// (never trusted by identity: a list handed back may have been changed since).
-    fn check_req_ids(
+    pub(crate) fn check_req_ids(
         py: Python<'_>,
         output: &PySchedulerOutput,
         runner_ids: &Bound<'_, PyAny>,
@@ -333,6 +333,28 @@ impl State {
         Ok(())
     }
 
+    /// Applies sampled tokens (flat, with per-entry counts in batch order) to `out`'s step.
+    pub(crate) fn apply_tokens(
+        &mut self,
+        py: Python<'_>,
+        out: &PySchedulerOutput,
+        tokens: &[u32],
+        counts: &[u32],
+    ) -> PyResult<()> {
+        self.check_owner(py, out)?;
+        if out.parts.slots.is_empty() && !tokens.is_empty() {
+            // An empty step awaits no output (the core only reports what ended meanwhile).
+            return Err(invalid(
+                py,
+                "sampled tokens were given for a step that scheduled nothing",
+            ));
+        }
+        let step_id = out.step_id;
+        let (inner, update) = (&mut self.inner, &mut self.update);
+        py.detach(|| inner.update_from_output(step_id, tokens, counts, update))
+            .py(py)
+    }
+
     /// A live request by id.
     fn live(&self, py: Python<'_>, request_id: &str) -> PyResult<&dflash_core::request::Request> {
         let slot = self
@@ -375,6 +397,15 @@ impl State {
 }
 
 impl PyScheduler {
+    /// Runs `f` on the scheduler's state, holding it (for the vLLM bridge).
+    pub(crate) fn with_state<R>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut State) -> PyResult<R>,
+    ) -> PyResult<R> {
+        self.state.with(py, f)
+    }
+
     /// Freezes a step's table (see [`State::freeze`]): called when it is first read.
     pub fn freeze_table(&self, py: Python<'_>, lazy: &LazyTable) -> PyResult<Arc<TableSnapshot>> {
         self.state.with(py, |st| st.freeze(py, lazy))
@@ -888,7 +919,6 @@ impl PyScheduler {
             None => Vec::new(),
         };
         self.state.with(py, |st| {
-            st.check_owner(py, out)?;
             let k = st.inner.config().num_speculative_tokens;
             if let Some(lists) = &draft_lists {
                 // Checked before the output is applied, so that a refusal changes nothing.
@@ -903,19 +933,7 @@ impl PyScheduler {
                     ));
                 }
             }
-            if out.parts.slots.is_empty() && !tokens.is_empty() {
-                // An empty step awaits no output (the core only reports what ended meanwhile).
-                return Err(invalid(
-                    py,
-                    "sampled tokens were given for a step that scheduled nothing",
-                ));
-            }
-            let step_id = out.step_id;
-            {
-                let (inner, update) = (&mut st.inner, &mut st.update);
-                py.detach(|| inner.update_from_output(step_id, &tokens, &counts, update))
-                    .py(py)?;
-            }
+            st.apply_tokens(py, out, &tokens, &counts)?;
             let result = build(st)?;
             if let Some(lists) = &draft_lists {
                 // Cannot fail: every list was checked against K above.

@@ -1,0 +1,732 @@
+//! `_VllmBridge`: the vLLM drop-in's per-step objects, built here in one pass instead of one
+//! Python call per request. It builds vLLM's `SchedulerOutput` (its `CachedRequestData` and the
+//! per-request dicts), applies `ModelRunnerOutput.sampled_token_ids` and builds one
+//! `EngineCoreOutput` per request that got tokens, and reads `DraftTokenIds`. The vLLM classes
+//! are resolved once, by the adapter (`dflash_rs.vllm`), so the objects are exactly vLLM's.
+//!
+//! What the adapter still does in Python is what is rare: admissions (`NewRequestData` needs the
+//! vLLM `Request`), preemptions, and outputs that carry more than tokens (events, prefill
+//! stats, logprobs, a finish), which come back as "slow" entries for it to fill in.
+
+use pyo3::gc::PyVisit;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};
+use pyo3::PyTraverseError;
+
+use dflash_core::scheduler::PLACEHOLDER_TOKEN;
+
+use crate::convert::token_ids;
+use crate::errors::{invalid, unless_fatal, IntoPyResult};
+use crate::fast_call::call2;
+use crate::guarded::Guarded;
+use crate::outputs::PySchedulerOutput;
+use crate::py_lists::{item_is, read_tokens};
+use crate::scheduler::{PyScheduler, State};
+
+/// The vLLM classes the bridge instantiates.
+struct VllmTypes {
+    scheduler_output: Py<PyAny>,
+    cached_request_data: Py<PyAny>,
+    engine_core_output: Py<PyAny>,
+}
+
+/// Per-slot memory of the bridge, keyed by the slot's generation so that a reused slot never
+/// sees its previous request's entries.
+#[derive(Default)]
+struct BridgeState {
+    /// The runner's latest draft list per slot: reused as the value of
+    /// `scheduled_spec_decode_tokens` when it still holds exactly the drafts scheduled.
+    drafts: Vec<Option<(u32, Py<PyList>)>>,
+    /// `(generation, step number)` of each slot's latest step (the V1 runner gets
+    /// `all_token_ids` of a request that was not in the previous step).
+    last_scheduled: Vec<(u32, u64)>,
+    /// Steps built so far.
+    step_number: u64,
+    /// The latest step: drafts in its batch order take the fast path.
+    last_step: Option<Py<PySchedulerOutput>>,
+    /// Python ints handed out as counts, made once each.
+    ints: IntCache,
+    /// The latest `num_scheduled_tokens`, privately kept: a step with the same batch and
+    /// counts (a steady decode) hands out a copy of it.
+    num_scheduled: Option<NumScheduledTemplate>,
+}
+
+/// Python ints `0..len` made once each and shared (ints are immutable): the computed- and
+/// output-token counts of a step are then no allocation each.
+#[derive(Default)]
+struct IntCache {
+    ints: Vec<Option<Py<PyAny>>>,
+}
+
+impl IntCache {
+    /// Most ints cached (a pool of larger contexts allocates the counts past it).
+    const MAX: usize = 1 << 18;
+
+    fn reserve_for(&mut self, max_model_len: usize) {
+        let len = (max_model_len + 1).min(Self::MAX);
+        if self.ints.len() < len {
+            self.ints.resize_with(len, || None);
+        }
+    }
+
+    /// The int `v` (cached when `0 <= v < len`).
+    fn get<'py>(&mut self, py: Python<'py>, v: i64) -> PyResult<Bound<'py, PyAny>> {
+        let Some(slot) = usize::try_from(v).ok().and_then(|i| self.ints.get_mut(i)) else {
+            return Ok(v.into_pyobject(py)?.into_any());
+        };
+        if let Some(obj) = slot {
+            return Ok(obj.bind(py).clone());
+        }
+        let obj = v.into_pyobject(py)?.into_any();
+        *slot = Some(obj.clone().unbind());
+        Ok(obj)
+    }
+}
+
+/// A private `num_scheduled_tokens` dict and what it was built from.
+struct NumScheduledTemplate {
+    slots: Vec<(u32, u32)>,
+    counts: Vec<i32>,
+    dict: Py<PyDict>,
+}
+
+/// Builds and reads vLLM's per-step objects for `DFlashRsScheduler` (private to
+/// `dflash_rs.vllm`).
+#[pyclass(module = "dflash_rs._core", name = "_VllmBridge", frozen)]
+pub struct PyVllmBridge {
+    scheduler: Py<PyScheduler>,
+    types: VllmTypes,
+    /// vLLM's V2 model runner: resumed requests travel in `scheduled_new_reqs` only, and no
+    /// `all_token_ids` are sent.
+    v2: bool,
+    /// Async scheduling: drafts are the core's placeholders, and `num_output_tokens` counts
+    /// the outputs still in flight.
+    async_scheduling: bool,
+    state: Guarded<BridgeState>,
+}
+
+/// `(num_running, num_waiting, kv_cache_usage, prefix, num_drafts, num_draft_tokens,
+/// num_accepted_tokens, accepted_per_pos, draft_tokens_per_pos)`: see `stats_counters`.
+type StatsCounters = (
+    usize,
+    usize,
+    f64,
+    [u64; 6],
+    u64,
+    u64,
+    u64,
+    Vec<u64>,
+    Vec<u64>,
+);
+
+/// What `engine_outputs` returns: the outputs, the slow entries, and the updated ids.
+type EngineOutputs<'py> = (
+    Bound<'py, PyList>,
+    Vec<SlowEntry>,
+    Option<Bound<'py, PyList>>,
+);
+
+/// One output that needs the adapter's Python: `(position, request id, new tokens, finish
+/// reason or None, stop reason or None)`.
+type SlowEntry = (
+    usize,
+    Py<PyString>,
+    Py<PyList>,
+    Option<&'static str>,
+    Option<u32>,
+);
+
+#[pymethods]
+impl PyVllmBridge {
+    #[new]
+    #[pyo3(signature = (scheduler, scheduler_output, cached_request_data, engine_core_output, *, v2, async_scheduling))]
+    fn new(
+        scheduler: Py<PyScheduler>,
+        scheduler_output: Py<PyAny>,
+        cached_request_data: Py<PyAny>,
+        engine_core_output: Py<PyAny>,
+        v2: bool,
+        async_scheduling: bool,
+    ) -> Self {
+        Self {
+            scheduler,
+            types: VllmTypes {
+                scheduler_output,
+                cached_request_data,
+                engine_core_output,
+            },
+            v2,
+            async_scheduling,
+            state: Guarded::new(BridgeState::default(), "vLLM bridge"),
+        }
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.scheduler)?;
+        visit.call(&self.types.scheduler_output)?;
+        visit.call(&self.types.cached_request_data)?;
+        visit.call(&self.types.engine_core_output)?;
+        self.state
+            .try_peek(|s| s.last_step.as_ref().map_or(Ok(()), |step| visit.call(step)))
+            .unwrap_or(Ok(()))
+    }
+
+    /// vLLM's `SchedulerOutput` for the core step `step`; `new_reqs` are its
+    /// `NewRequestData`, built by the adapter.
+    fn scheduler_output<'py>(
+        &self,
+        step: &Bound<'py, PySchedulerOutput>,
+        new_reqs: &Bound<'py, PyList>,
+        num_spec_tokens: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = step.py();
+        let out = step.get();
+        let parts = self.state.with(py, |bridge| {
+            self.scheduler
+                .get()
+                .with_state(py, |st| self.build_parts(py, bridge, st, step))
+        })?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item(intern!(py, "scheduled_new_reqs"), new_reqs)?;
+        kwargs.set_item(intern!(py, "scheduled_cached_reqs"), parts.cached)?;
+        kwargs.set_item(intern!(py, "num_scheduled_tokens"), parts.num_scheduled)?;
+        kwargs.set_item(
+            intern!(py, "total_num_scheduled_tokens"),
+            out.total_num_scheduled_tokens,
+        )?;
+        kwargs.set_item(intern!(py, "scheduled_spec_decode_tokens"), parts.spec)?;
+        kwargs.set_item(intern!(py, "scheduled_encoder_inputs"), PyDict::new(py))?;
+        kwargs.set_item(intern!(py, "finished_req_ids"), &out.finished_req_ids)?;
+        kwargs.set_item(intern!(py, "free_encoder_mm_hashes"), PyList::empty(py))?;
+        kwargs.set_item(intern!(py, "preempted_req_ids"), &out.preempted_req_ids)?;
+        kwargs.set_item(intern!(py, "num_spec_tokens_to_schedule"), num_spec_tokens)?;
+        self.types.scheduler_output.bind(py).call((), Some(&kwargs))
+    }
+
+    /// Applies `runner_output` (vLLM's `ModelRunnerOutput`) to the core step `step` and returns
+    /// `(outputs, slow, updated_ids)`: one `EngineCoreOutput` per request that got tokens, in
+    /// batch order, with None where the adapter must build it (the request is in `slow`, or
+    /// `all_slow`, or it finished); `slow` lists those as `(position, request id, tokens,
+    /// finish reason, stop reason)`; `updated_ids` (with `want_ids`) the ids of every output.
+    #[pyo3(signature = (step, runner_output, slow, *, all_slow, want_ids))]
+    fn engine_outputs<'py>(
+        &self,
+        step: &Bound<'py, PySchedulerOutput>,
+        runner_output: &Bound<'py, PyAny>,
+        slow: &Bound<'py, PySet>,
+        all_slow: bool,
+        want_ids: bool,
+    ) -> PyResult<EngineOutputs<'py>> {
+        let py = step.py();
+        let out = step.get();
+        let lists = sampled_lists(py, out, runner_output)?;
+        let (mut tokens, mut counts) = (Vec::new(), Vec::with_capacity(lists.len()));
+        for (i, list) in lists.iter().enumerate() {
+            let n = match list {
+                Some(list) => extend_tokens(list, &mut tokens, i, "sampled_token_ids")?,
+                None => 0,
+            };
+            counts.push(n);
+        }
+        let engine_core_output = self.types.engine_core_output.bind(py);
+        let check_slow = !slow.is_empty();
+        self.scheduler.get().with_state(py, |st| {
+            st.apply_tokens(py, out, &tokens, &counts)?;
+            let outputs = PyList::empty(py);
+            let mut slow_entries = Vec::new();
+            let ids = want_ids.then(|| PyList::empty(py));
+            let slots = &out.parts.slots;
+            let mut cursor = 0usize;
+            let update = &st.update;
+            for u in &update.updates {
+                // Updates come in batch order, a subsequence of the step's slots.
+                while cursor < slots.len() && slots[cursor].0 != u.slot {
+                    cursor += 1;
+                }
+                let Some(sampled) = lists.get(cursor) else {
+                    return Err(crate::errors::to_py(
+                        py,
+                        dflash_core::CoreError::Invariant(format!(
+                            "updated slot {} is not in the step's batch",
+                            u.slot
+                        )),
+                    ));
+                };
+                let new = &update.new_token_ids[u.tokens_start as usize..u.tokens_end as usize];
+                // The runner's own list when it holds exactly the new tokens (as vLLM's
+                // scheduler does), else a new list.
+                let new_tokens = match sampled.as_ref().and_then(|s| s.cast_exact::<PyList>().ok())
+                {
+                    Some(list) if list.len() == new.len() => list.clone(),
+                    _ => PyList::new(py, new)?,
+                };
+                cursor += 1;
+                let rid = st.id_of(py, u.slot)?;
+                if let Some(ids) = &ids {
+                    ids.append(&rid)?;
+                }
+                let fast = u.finish_reason.is_none()
+                    && !all_slow
+                    && !(check_slow && slow.contains(&rid)?);
+                if fast {
+                    outputs.append(call2(
+                        engine_core_output,
+                        rid.bind(py),
+                        new_tokens.as_any(),
+                    )?)?;
+                } else {
+                    slow_entries.push((
+                        outputs.len(),
+                        rid,
+                        new_tokens.unbind(),
+                        u.finish_reason.map(|r| r.name()),
+                        u.finish_reason.and(u.stop_token),
+                    ));
+                    outputs.append(py.None())?;
+                }
+            }
+            st.forget_finished();
+            Ok((outputs, slow_entries, ids))
+        })
+    }
+
+    /// Installs vLLM's `DraftTokenIds` for the next step; returns how many requests took them.
+    /// Drafts in the latest step's batch order are matched by position, others by id.
+    fn update_draft_token_ids(&self, draft_token_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let py = draft_token_ids.py();
+        let ids = draft_token_ids.getattr(intern!(py, "req_ids"))?;
+        let lists = draft_token_ids.getattr(intern!(py, "draft_token_ids"))?;
+        let lists: Vec<Bound<'_, PyAny>> = lists.extract().map_err(|e| {
+            unless_fatal(py, e, || {
+                crate::errors::wrong_type(py, "draft_token_ids must be a list of token lists")
+            })
+        })?;
+        let n = ids.len()?;
+        if n != lists.len() {
+            return Err(invalid(
+                py,
+                format!(
+                    "DraftTokenIds has {n} req_ids but {} draft lists",
+                    lists.len()
+                ),
+            ));
+        }
+        self.state.with(py, |bridge| {
+            let last = bridge.last_step.as_ref().map(|s| s.clone_ref(py));
+            let in_step_order = match &last {
+                Some(step) => same_ids(&ids, step.get().req_ids.bind(py))?,
+                None => false,
+            };
+            let (mut tokens, mut counts) = (Vec::new(), Vec::with_capacity(n));
+            for (i, list) in lists.iter().enumerate() {
+                counts.push(extend_tokens(list, &mut tokens, i, "draft_token_ids")?);
+            }
+            self.scheduler.get().with_state(py, |st| {
+                if let (true, Some(step)) = (in_step_order, &last) {
+                    let slots = &step.get().parts.slots;
+                    let taken = st
+                        .inner
+                        .update_draft_token_ids_for_slots(slots, &tokens, &counts)
+                        .py(py)?;
+                    let mut start = 0usize;
+                    for ((&(slot, generation), list), &c) in slots.iter().zip(&lists).zip(&counts) {
+                        let end = start + c as usize;
+                        bridge.keep_drafts(st, slot, generation, list, &tokens[start..end]);
+                        start = end;
+                    }
+                    return Ok(taken);
+                }
+                let names: Vec<String> = ids
+                    .try_iter()?
+                    .map(|id| id?.extract::<String>())
+                    .collect::<PyResult<_>>()
+                    .map_err(|e| {
+                        unless_fatal(py, e, || {
+                            crate::errors::wrong_type(py, "DraftTokenIds.req_ids must be str")
+                        })
+                    })?;
+                let mut start = 0usize;
+                let pairs: Vec<(&str, &[u32])> = names
+                    .iter()
+                    .zip(&counts)
+                    .map(|(id, &c)| {
+                        let s = start;
+                        start += c as usize;
+                        (id.as_str(), &tokens[s..start])
+                    })
+                    .collect();
+                let taken = st.inner.update_draft_token_ids(pairs).py(py)?;
+                let mut start = 0usize;
+                for ((id, list), &c) in names.iter().zip(&lists).zip(&counts) {
+                    let end = start + c as usize;
+                    if let Some(slot) = st.inner.slot_of(id) {
+                        let generation = st.inner.requests().generation(slot);
+                        bridge.keep_drafts(st, slot, generation, list, &tokens[start..end]);
+                    }
+                    start = end;
+                }
+                Ok(taken)
+            })
+        })
+    }
+
+    /// What vLLM's `SchedulerStats` reports, in one call: `(num_running, num_waiting,
+    /// kv_cache_usage, prefix, num_drafts, num_draft_tokens, num_accepted_tokens,
+    /// accepted_per_pos, draft_tokens_per_pos)`, where `prefix` holds the prefix-cache
+    /// requests, queries and hits counted at first admissions, then at re-admissions after a
+    /// preemption (cumulative counters, like the spec-decoding ones).
+    fn stats_counters(&self, py: Python<'_>) -> PyResult<StatsCounters> {
+        self.scheduler.get().with_state(py, |st| {
+            let inner = &st.inner;
+            let s = inner.stats();
+            let (a, r) = (&s.admitted_prefix, &s.resumed_prefix);
+            Ok((
+                inner.running().len(),
+                inner.num_waiting(),
+                inner.kv().usage(),
+                [a.requests, a.queries, a.hits, r.requests, r.queries, r.hits],
+                s.num_drafts,
+                s.num_draft_tokens,
+                s.num_accepted_tokens,
+                s.num_accepted_tokens_per_pos.clone(),
+                s.num_draft_tokens_per_pos(),
+            ))
+        })
+    }
+
+    /// Forgets which requests the previous step scheduled: the V1 runner then gets every
+    /// cached request's `all_token_ids` again (after `reset_prefix_cache` preempted them all).
+    fn forget_previous_step(&self, py: Python<'_>) -> PyResult<()> {
+        self.state.with(py, |bridge| {
+            bridge.step_number += 1;
+            Ok(())
+        })
+    }
+}
+
+/// The Python objects of one `SchedulerOutput`, before the dataclass is built.
+struct StepParts<'py> {
+    cached: Bound<'py, PyAny>,
+    num_scheduled: Bound<'py, PyDict>,
+    spec: Bound<'py, PyDict>,
+}
+
+impl PyVllmBridge {
+    fn build_parts<'py>(
+        &self,
+        py: Python<'py>,
+        bridge: &mut BridgeState,
+        st: &mut State,
+        step: &Bound<'py, PySchedulerOutput>,
+    ) -> PyResult<StepParts<'py>> {
+        let out = step.get();
+        st.check_owner(py, out)?;
+        let parts = &out.parts;
+        let req_ids = out.req_ids.bind(py);
+        let n = parts.slots.len();
+        let previous = bridge.step_number;
+        bridge.step_number += 1;
+        let this_step = bridge.step_number;
+        if let Some(&max_slot) = parts.slots.iter().map(|(s, _)| s).max() {
+            if bridge.last_scheduled.len() <= max_slot as usize {
+                bridge
+                    .last_scheduled
+                    .resize(max_slot as usize + 1, (u32::MAX, 0));
+            }
+        }
+
+        let num_scheduled =
+            bridge.num_scheduled_tokens(py, &parts.slots, &parts.num_scheduled, req_ids)?;
+        let spec = PyDict::new(py);
+        let mut spec_start = 0usize;
+        for (i, rid) in req_ids.iter().enumerate().take(n) {
+            let num_spec = parts.spec_counts[i] as usize;
+            if num_spec == 0 {
+                continue;
+            }
+            let drafts = &parts.spec_tokens[spec_start..spec_start + num_spec];
+            spec_start += num_spec;
+            let (slot, generation) = parts.slots[i];
+            let reused = if self.async_scheduling || parts.kinds[i] != 0 {
+                None
+            } else {
+                bridge.reusable_drafts(py, slot, generation, num_spec)?
+            };
+            let value = match reused {
+                Some(list) => list,
+                None => PyList::new(py, drafts.iter().map(|&t| vllm_token(t)))?,
+            };
+            spec.set_item(&rid, value)?;
+        }
+        // The cached requests (running, and resumed ones for V1), in batch order.
+        let cached: Vec<usize> = (0..n)
+            .filter(|&i| parts.kinds[i] == 0 || (parts.kinds[i] == 2 && !self.v2))
+            .collect();
+        let all_running = cached.len() == n && parts.kinds.iter().all(|&k| k == 0);
+        // A batch of running requests only (a decode step): the cached ids are the batch.
+        let cached_ids = if all_running {
+            req_ids.to_list()
+        } else {
+            PyList::new(
+                py,
+                cached
+                    .iter()
+                    .map(|&i| req_ids.get_item(i))
+                    .collect::<PyResult<Vec<_>>>()?,
+            )?
+        };
+        let resumed = PySet::empty(py)?;
+        let all_token_ids = PyDict::new(py);
+        let mut block_starts = Vec::with_capacity(n + 1);
+        let mut start = 0u32;
+        for &c in &parts.new_block_counts {
+            block_starts.push(start);
+            start += c;
+        }
+        let ints = &mut bridge.ints;
+        ints.reserve_for(st.inner.config().max_model_len);
+        let mut num_output = Vec::with_capacity(cached.len());
+        for &i in &cached {
+            let (slot, generation) = parts.slots[i];
+            let request = st.inner.requests().get(slot).py(py)?;
+            let mut outputs = request.num_output_tokens();
+            if self.async_scheduling {
+                outputs += parts.num_output_placeholders[i] as usize;
+            }
+            num_output.push(ints.get(py, outputs as i64)?);
+            let was_previous = bridge.last_scheduled[slot as usize] == (generation, previous);
+            if parts.kinds[i] == 2 {
+                resumed.add(req_ids.get_item(i)?)?;
+            }
+            if !self.v2 && !was_previous {
+                all_token_ids.set_item(req_ids.get_item(i)?, PyList::new(py, &request.tokens)?)?;
+            }
+        }
+        for &(slot, generation) in &parts.slots {
+            bridge.last_scheduled[slot as usize] = (generation, this_step);
+        }
+        let new_block_ids = PyList::new(
+            py,
+            cached
+                .iter()
+                .map(|&i| {
+                    let start = block_starts[i] as usize;
+                    let blocks =
+                        &parts.new_blocks[start..start + parts.new_block_counts[i] as usize];
+                    if blocks.is_empty() && parts.kinds[i] == 0 {
+                        Ok(py.None().into_bound(py))
+                    } else {
+                        Ok(PyTuple::new(py, [PyList::new(py, blocks)?])?.into_any())
+                    }
+                })
+                .collect::<PyResult<Vec<_>>>()?,
+        )?;
+        let ints = &mut bridge.ints;
+        let num_computed = PyList::new(
+            py,
+            cached
+                .iter()
+                .map(|&i| ints.get(py, i64::from(parts.num_computed[i])))
+                .collect::<PyResult<Vec<_>>>()?,
+        )?;
+        let num_output = PyList::new(py, num_output)?;
+        bridge.last_step = Some(step.clone().unbind());
+        let kwargs = PyDict::new(py);
+        kwargs.set_item(intern!(py, "req_ids"), cached_ids)?;
+        kwargs.set_item(intern!(py, "resumed_req_ids"), resumed)?;
+        kwargs.set_item(intern!(py, "new_token_ids"), PyList::empty(py))?;
+        kwargs.set_item(intern!(py, "all_token_ids"), all_token_ids)?;
+        kwargs.set_item(intern!(py, "new_block_ids"), new_block_ids)?;
+        kwargs.set_item(intern!(py, "num_computed_tokens"), num_computed)?;
+        kwargs.set_item(intern!(py, "num_output_tokens"), num_output)?;
+        let cached = self
+            .types
+            .cached_request_data
+            .bind(py)
+            .call((), Some(&kwargs))?;
+        Ok(StepParts {
+            cached,
+            num_scheduled,
+            spec,
+        })
+    }
+}
+
+impl BridgeState {
+    /// `num_scheduled_tokens` of a step: a copy of the previous step's when the batch and the
+    /// counts are the same, else a new dict (kept, privately, for the next step).
+    fn num_scheduled_tokens<'py>(
+        &mut self,
+        py: Python<'py>,
+        slots: &[(u32, u32)],
+        counts: &[i32],
+        req_ids: &Bound<'py, PyTuple>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        if let Some(t) = &self.num_scheduled {
+            if t.slots == slots && t.counts == counts {
+                return t.dict.bind(py).copy();
+            }
+        }
+        let dict = PyDict::new(py);
+        for (rid, &n) in req_ids.iter().zip(counts) {
+            dict.set_item(rid, n)?;
+        }
+        self.num_scheduled = Some(NumScheduledTemplate {
+            slots: slots.to_vec(),
+            counts: counts.to_vec(),
+            dict: dict.copy()?.unbind(),
+        });
+        Ok(dict)
+    }
+
+    /// Remembers the runner's draft list of a slot when the core took exactly its `tokens` as
+    /// the request's drafts (exact lists only: the spec dict may hand it on); forgets the slot's
+    /// list otherwise, so a list is only ever handed on for the drafts the core holds.
+    fn keep_drafts(
+        &mut self,
+        st: &State,
+        slot: u32,
+        generation: u32,
+        list: &Bound<'_, PyAny>,
+        tokens: &[u32],
+    ) {
+        let s = slot as usize;
+        if self.drafts.len() <= s {
+            self.drafts.resize_with(s + 1, || None);
+        }
+        let taken = st
+            .inner
+            .requests()
+            .get(slot)
+            .is_ok_and(|r| r.spec_token_ids.as_slice() == tokens);
+        self.drafts[s] = match list.cast_exact::<PyList>() {
+            Ok(list) if taken => Some((generation, list.clone().unbind())),
+            _ => None,
+        };
+    }
+
+    /// The runner's draft list of a slot, or a copy of its first `num_drafts` items: what
+    /// vLLM's scheduler hands on too (`request.spec_token_ids`). The core read its tokens when
+    /// the runner handed it in; that it still holds at least `num_drafts` is checked here (its
+    /// items are not read again: they are the runner's own list).
+    fn reusable_drafts<'py>(
+        &self,
+        py: Python<'py>,
+        slot: u32,
+        generation: u32,
+        num_drafts: usize,
+    ) -> PyResult<Option<Bound<'py, PyList>>> {
+        let Some(Some((g, list))) = self.drafts.get(slot as usize) else {
+            return Ok(None);
+        };
+        let list = list.bind(py);
+        let len = list.len();
+        if *g != generation || len < num_drafts {
+            return Ok(None);
+        }
+        if len == num_drafts {
+            Ok(Some(list.clone()))
+        } else {
+            Ok(Some(list.get_slice(0, num_drafts).cast_into::<PyList>()?))
+        }
+    }
+}
+
+/// A scheduled token as vLLM shows it: a placeholder draft is -1.
+fn vllm_token(t: u32) -> i64 {
+    if t == PLACEHOLDER_TOKEN {
+        -1
+    } else {
+        i64::from(t)
+    }
+}
+
+/// Whether `ids` (any sequence of str) names exactly `expected`, in order; compared element by
+/// element (the interned strings make most comparisons a pointer check).
+fn same_ids(ids: &Bound<'_, PyAny>, expected: &Bound<'_, PyTuple>) -> PyResult<bool> {
+    if ids.len()? != expected.len() {
+        return Ok(false);
+    }
+    if let Ok(list) = ids.cast::<PyList>() {
+        for (i, b) in expected.iter().enumerate() {
+            if item_is(ids, i, &b) {
+                continue;
+            }
+            let a = list.get_item(i)?;
+            if !a.eq(&b)? {
+                return Ok(false);
+            }
+        }
+        return Ok(true);
+    }
+    for (a, b) in ids.try_iter()?.zip(expected.iter()) {
+        let a = a?;
+        if !a.is(&b) && !a.eq(&b)? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Each batch entry's sampled tokens (None: none sampled), from a vLLM `ModelRunnerOutput`
+/// listed in the step's order or in any order (matched through `req_id_to_index`).
+fn sampled_lists<'py>(
+    py: Python<'py>,
+    out: &PySchedulerOutput,
+    runner_output: &Bound<'py, PyAny>,
+) -> PyResult<Vec<Option<Bound<'py, PyAny>>>> {
+    let expected = out.req_ids.bind(py);
+    let n = expected.len();
+    let sampled = runner_output.getattr(intern!(py, "sampled_token_ids"))?;
+    if sampled.is_none() || sampled.len()? == 0 {
+        return Ok(vec![None; n]);
+    }
+    let runner_ids = runner_output.getattr(intern!(py, "req_ids"))?;
+    if same_ids(&runner_ids, expected)? {
+        if sampled.len()? != n {
+            return Err(invalid(
+                py,
+                format!(
+                    "ModelRunnerOutput has {} sampled lists for {n} requests",
+                    sampled.len()?
+                ),
+            ));
+        }
+        if let Ok(list) = sampled.cast::<PyList>() {
+            return (0..n).map(|i| list.get_item(i).map(Some)).collect();
+        }
+        return (0..n).map(|i| sampled.get_item(i).map(Some)).collect();
+    }
+    let index = runner_output.getattr(intern!(py, "req_id_to_index"))?;
+    expected
+        .iter()
+        .map(|rid| {
+            let i = index.get_item(&rid).map_err(|e| {
+                unless_fatal(py, e, || {
+                    invalid(
+                        py,
+                        format!("ModelRunnerOutput has no output for scheduled request {rid}"),
+                    )
+                })
+            })?;
+            sampled.get_item(i).map(Some)
+        })
+        .collect()
+}
+
+/// Appends the token ids of one list to `tokens` (an exact list of ints is read in place;
+/// anything else through the checked conversion, whose errors name `what[i]`); returns how many.
+fn extend_tokens(
+    list: &Bound<'_, PyAny>,
+    tokens: &mut Vec<u32>,
+    i: usize,
+    what: &str,
+) -> PyResult<u32> {
+    if let Some(n) = read_tokens(list, tokens) {
+        return Ok(n);
+    }
+    let parsed = token_ids(list, format_args!("{what}[{i}]"))?;
+    tokens.extend_from_slice(&parsed);
+    Ok(parsed.len() as u32)
+}

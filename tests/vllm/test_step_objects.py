@@ -1,0 +1,133 @@
+"""The vLLM objects ``DFlashRsScheduler`` builds in Rust (``_VllmBridge``): what it reuses from
+one step to the next, or from the runner, never lets a caller's change leak into another
+step, and what it hands on is what the core scheduled."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm.v1.core.sched.interface",
+    reason="vLLM 0.33 is not installed here; run these tests with scripts/vllm_env.sh",
+)
+
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+from dflash_rs.errors import InvalidArgumentError
+
+K = 3
+
+
+def _decode_scheduler(make_scheduler: Any, offline: Any, n: int = 3) -> Any:
+    """A DFlash K=3 scheduler with ``n`` requests past their prefill (one step done)."""
+    s = make_scheduler(method="dflash", num_speculative_tokens=K, num_blocks=128)
+    for i in range(n):
+        s.add_request(offline.request(f"r{i}", [20 + i] * 20, 60))
+    out = s.schedule()
+    s.update_from_output(out, _sampled(out, lambda rid: [40]))
+    return s
+
+
+def _sampled(out: Any, tokens: Any) -> ModelRunnerOutput:
+    ids = list(out.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[tokens(r) for r in ids],
+    )
+
+
+def _step_with_drafts(s: Any, drafts: dict[str, list[int]]) -> Any:
+    """Installs ``drafts`` (in the last step's order), schedules, applies a bonus token only."""
+    s.update_draft_token_ids(DraftTokenIds(list(drafts), list(drafts.values())))
+    out = s.schedule()
+    s.update_from_output(out, _sampled(out, lambda rid: [41]))
+    return out
+
+
+def test_a_held_step_keeps_its_dicts_when_the_next_one_is_the_same(
+    make_scheduler: Any, offline: Any
+) -> None:
+    """Steady decode steps share the batch: the second step's dicts are copies, so changing
+    what a caller holds changes no other step."""
+    s = _decode_scheduler(make_scheduler, offline)
+    ids = ["r0", "r1", "r2"]
+    first = _step_with_drafts(s, {r: [50, 51, 52] for r in ids})
+    held = dict(first.num_scheduled_tokens)
+    first.num_scheduled_tokens["intruder"] = 99  # the caller's own dict
+    first.scheduled_cached_reqs.req_ids.append("intruder")
+    second = _step_with_drafts(s, {r: [53, 54, 55] for r in ids})
+    assert second.num_scheduled_tokens == held == {r: K + 1 for r in ids}
+    assert second.num_scheduled_tokens is not first.num_scheduled_tokens
+    assert second.scheduled_cached_reqs.req_ids == ids
+    second.num_scheduled_tokens.clear()
+    third = s.schedule()
+    assert third.num_scheduled_tokens == {r: 1 for r in ids}  # no drafts installed
+
+
+def test_the_runner_draft_list_is_handed_on_only_while_the_core_holds_it(
+    make_scheduler: Any, offline: Any
+) -> None:
+    s = _decode_scheduler(make_scheduler, offline, n=2)
+    mine = [50, 51, 52]
+    s.update_draft_token_ids(DraftTokenIds(["r0", "r1"], [mine, [60, 61, 62]]))
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens["r0"] is mine  # as vLLM's scheduler does
+    assert out.num_scheduled_tokens == {"r0": K + 1, "r1": K + 1}
+    s.update_from_output(out, _sampled(out, lambda rid: [41]))
+    # A list the runner shortened after handing it in is not handed on at its new length:
+    # the step schedules the drafts the core took, as the core's own list.
+    cut = [70, 71, 72]
+    s.update_draft_token_ids(DraftTokenIds(["r0", "r1"], [cut, [80, 81, 82]]))
+    del cut[1:]
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens["r0"] == [70, 71, 72]
+    assert out.scheduled_spec_decode_tokens["r0"] is not cut
+    assert out.num_scheduled_tokens["r0"] == K + 1
+
+
+def test_drafts_of_a_request_the_core_ignored_are_not_handed_on(
+    make_scheduler: Any, offline: Any
+) -> None:
+    """Drafts for a request still in its prefill are ignored by the core; the list must not
+    show up as that request's scheduled drafts later."""
+    s = make_scheduler(
+        method="dflash",
+        num_speculative_tokens=K,
+        num_blocks=128,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+    )
+    s.add_request(offline.request("long", [30] * 100, 20))
+    out = s.schedule()  # a chunk of the prefill
+    s.update_from_output(out, _sampled(out, lambda rid: []))
+    s.update_draft_token_ids(DraftTokenIds(["long"], [[90, 91, 92]]))
+    while True:
+        out = s.schedule()
+        assert "long" not in out.scheduled_spec_decode_tokens
+        done = s.core.num_computed_tokens("long") >= 100
+        sampled = [42] if done else []
+        s.update_from_output(out, _sampled(out, lambda rid, sampled=sampled: sampled))
+        if done:
+            break
+
+
+def test_runner_output_in_another_order_and_bad_tokens(make_scheduler: Any, offline: Any) -> None:
+    s = _decode_scheduler(make_scheduler, offline)
+    out = s.schedule()
+    ids = list(out.num_scheduled_tokens)[::-1]
+    mro = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[43 + i] for i in range(len(ids))],
+    )
+    outs = s.update_from_output(out, mro)
+    got = {o.request_id: o.new_token_ids for o in outs[0].outputs}
+    assert got == {r: [43 + i] for i, r in enumerate(ids)}
+    out = s.schedule()
+    bad = _sampled(out, lambda rid: ["x"])
+    with pytest.raises(InvalidArgumentError, match=r"sampled_token_ids\[0\]"):
+        s.update_from_output(out, bad)
+    s.core.check_invariants()
