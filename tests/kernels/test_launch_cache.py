@@ -22,6 +22,7 @@ import dflash_rs.kernels.api as api
 from dflash_rs.errors import InvalidArgumentError
 from dflash_rs.kernels import DFlashInputs, expand_dflash_inputs
 from dflash_rs.kernels._launch_cache import MAX_PLANS
+from dflash_rs.kernels.dflash_expand import MAX_BATCH_SHAPES
 
 
 @pytest.fixture
@@ -270,22 +271,129 @@ def test_scalars_equal_to_cached_ones_but_of_another_type_are_refused(
 
 
 def test_plans_are_bounded_and_belong_to_one_buffer_set(device, checks):
-    """At most MAX_PLANS per buffer set, oldest dropped; narrowed views start with none."""
-    out = DFlashInputs.empty(4, MAX_PLANS + 10, 2, device)
+    """At most MAX_PLANS signatures per buffer set, oldest dropped, and at most
+    MAX_BATCH_SHAPES batch sizes per plan; narrowed views start with no plans."""
+    out = DFlashInputs.empty(4, MAX_BATCH_SHAPES + 10, 2, device)
     table = torch.ones((4, 8), dtype=torch.int32, device=device)
     ids = torch.ones(1, dtype=torch.int32, device=device)
-    for num_ctx in range(1, MAX_PLANS + 6):
+    scalars = {"block_size": 16, "num_speculative_tokens": 2}
+
+    def call(num_ctx: int, mask_token_id: int) -> None:
         positions = torch.arange(num_ctx, dtype=torch.int64, device=device)
         qsl = torch.tensor([0, num_ctx], dtype=torch.int32, device=device)
-        args = (ids, positions, qsl, table)
-        scalars = {"block_size": 16, "num_speculative_tokens": 2, "mask_token_id": 5}
-        expand_dflash_inputs(*args, **scalars, out=out)
-        expand_dflash_inputs(*args, **scalars, out=out)
+        expand_dflash_inputs(
+            ids, positions, qsl, table, **scalars, mask_token_id=mask_token_id, out=out
+        )
         assert out.query_positions[:3].tolist() == [num_ctx, num_ctx + 1, num_ctx + 2]
+        assert out.input_ids[:3].tolist() == [1, mask_token_id, mask_token_id]
+
+    for mask_token_id in range(MAX_PLANS + 5):  # the mask id is part of the signature
+        call(3, mask_token_id)
+        call(3, mask_token_id)
     assert len(out._launch_plans) == MAX_PLANS
+    assert checks[0] == MAX_PLANS + 5
+    for num_ctx in range(1, MAX_BATCH_SHAPES + 6):  # the batch size is not
+        call(num_ctx, 7)
+    (plan,) = [p for key, p in out._launch_plans.items() if 7 in key[:4]]
+    assert len(plan._shapes) == MAX_BATCH_SHAPES
     assert checks[0] == MAX_PLANS + 5
     narrowed = out.narrow(1, 3)
     assert narrowed._launch_plans == {} and narrowed._launch_plans is not out._launch_plans
+
+
+def _batch(rng: np.random.Generator, num_reqs: int, num_ctx: int, table: np.ndarray) -> Case:
+    """A random batch whose table is (a view of) ``table``: the table's shape is fixed, the
+    batch's sizes are not."""
+    cuts = np.sort(rng.choice(num_ctx - 1, num_reqs - 1, replace=False) + 1)
+    lens = np.diff(np.concatenate([[0], cuts, [num_ctx]]))
+    starts = rng.integers(0, 300, num_reqs)
+    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
+    width = table.shape[1] - 1
+    return Case(
+        next_token_ids=rng.integers(0, 150_000, num_reqs).astype(np.int32),
+        target_positions=positions.astype(np.int64),
+        query_start_loc=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+        block_table=table,
+        table_rows=num_reqs + int(rng.integers(0, 2)),
+        table_width=width,
+        num_speculative_tokens=4,
+        block_size=16,
+        mask_token_id=151_000,
+        num_rejected_tokens=np.minimum(rng.integers(0, 5, num_reqs), lens - 1).astype(np.int32),
+        num_blocks_per_row=rng.integers(0, width + 1, num_reqs).astype(np.int32),
+        max_model_len=400,
+    )
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_batches_of_any_size_that_fits_share_one_plan(device, seeded_rng, checks, validate):
+    """An engine's batch changes size every step: one check for the buffers' first call, then
+    every batch that fits them launches the same plan, each result equal to the oracle's."""
+    seed, rng = seeded_rng
+    table = rng.integers(0, 5000, (70, 30)).astype(np.int32)
+    out = DFlashInputs.empty(64, 600, 4, device)
+    for step in range(12):
+        num_reqs = int(rng.integers(2, 65))
+        case = _batch(rng, num_reqs, int(rng.integers(num_reqs, 601)), table)
+        case.extra_reqs, case.extra_ctx = 64 - case.num_reqs, 600 - case.num_ctx
+        case.seed = seed
+        positional, keywords = case.torch_args(device)
+        poison(out)
+        expand_dflash_inputs(*positional, **keywords, out=out, validate=validate)
+        assert_matches(out, oracle(case), case, f"batch {step}")
+    assert checks[0] == 1
+    assert len(out._launch_plans) == 1
+
+
+# (name, the batch after a cached call of 2 requests and 5 tokens, expected message fragment)
+GROWN = [
+    ("more requests than out holds", (3, 6), "out holds 2 requests, fewer than num_reqs=3"),
+    ("more tokens than out holds", (2, 6), "out holds 5 context lanes, fewer than 6"),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "sizes", "message"), GROWN, ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_a_batch_that_outgrows_the_buffers_is_refused(device, what, sizes, message):
+    num_reqs, num_ctx = sizes
+    kwargs = {**_good(device), "out": DFlashInputs.empty(2, 5, 2, device)}
+    _call(kwargs)
+    _call(kwargs)
+    grown = {
+        **kwargs,
+        "next_token_ids": torch.arange(num_reqs, dtype=torch.int32, device=device),
+        "target_positions": torch.arange(num_ctx, dtype=torch.int64, device=device),
+        "query_start_loc": torch.tensor(
+            [0, *range(num_ctx - num_reqs + 1, num_ctx + 1)], dtype=torch.int32, device=device
+        ),
+        "block_table": torch.ones((num_reqs, 2), dtype=torch.int32, device=device),
+    }
+    before = _snapshot(kwargs["out"])
+    with pytest.raises(InvalidArgumentError, match=_escape(message)):
+        _call(grown)
+    assert _snapshot(kwargs["out"]) == before
+
+
+def test_a_table_with_overlapping_rows_is_refused_once_it_has_two(device):
+    """One row may have any row stride; two may not overlap. A cached one-row call with such
+    a table does not let a two-row call with the same strides through."""
+    base = torch.arange(1, 9, dtype=torch.int32, device=device)
+    one = {
+        "next_token_ids": torch.tensor([7], dtype=torch.int32, device=device),
+        "target_positions": torch.tensor([0, 1, 2], dtype=torch.int64, device=device),
+        "query_start_loc": torch.tensor([0, 3], dtype=torch.int32, device=device),
+        "block_table": base.as_strided((1, 4), (1, 1)),
+        "block_size": 16,
+        "num_speculative_tokens": 2,
+        "mask_token_id": 99,
+        "out": DFlashInputs.empty(2, 5, 2, device),
+    }
+    _call(one)
+    _call(one)
+    two = {**_good(device), "block_table": base.as_strided((2, 4), (1, 1)), "out": one["out"]}
+    with pytest.raises(InvalidArgumentError, match="row stride 1 is smaller than its width 4"):
+        _call(two)
 
 
 def test_reference_backend_and_calls_without_out_keep_no_plans(device, checks):

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 from dflash_expand_oracle import assert_matches, oracle, poison, random_case
-from test_launch_cache import _new_data
+from test_launch_cache import _batch, _new_data
 
-from dflash_rs.kernels import expand_dflash_inputs
+from dflash_rs.kernels import DFlashInputs, expand_dflash_inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -57,7 +57,29 @@ def test_cached_calls_launch_the_compiled_kernel_directly(
         assert_matches(out, expected, case, f"call {call}")
     assert jit_launches[0] == 1
     (plan,) = out._launch_plans.values()
-    assert plan._run is not None
+    assert len(plan._kernels) == 1
+
+
+def test_batches_of_other_sizes_launch_directly_once_their_variant_is_compiled(
+    seeded_rng, jit_launches
+):
+    """Batch sizes that select the same kernel variant launch it directly from the first call;
+    a size that selects another variant goes through the JIT once."""
+    seed, rng = seeded_rng
+    table = rng.integers(0, 5000, (1100, 40)).astype(np.int32)
+    out = DFlashInputs.empty(1024, 9216, 4, "cuda")
+    sizes = [(1000, 9000), (1001, 9009), (1002, 9018), (40, 360), (1003, 9027)]
+    for num_reqs, num_ctx in sizes:
+        case = _batch(rng, num_reqs, num_ctx, table)
+        case.extra_reqs, case.extra_ctx = 1024 - num_reqs, 9216 - num_ctx
+        case.seed = seed
+        positional, keywords = case.torch_args("cuda")
+        poison(out)
+        expand_dflash_inputs(*positional, **keywords, out=out, validate=False)
+        assert_matches(out, oracle(case), case, f"{num_reqs} requests")
+    (plan,) = out._launch_plans.values()
+    assert len(plan._kernels) == 2  # 1000-1003 requests share one variant, 40 another
+    assert jit_launches[0] == 2
 
 
 def test_cuda_graph_capture_through_the_cached_path(seeded_rng, jit_launches):
@@ -124,9 +146,11 @@ def test_a_launcher_that_refuses_the_arguments_falls_back_to_the_jit(
     def refuse(*args):
         raise TypeError("function takes exactly 38 arguments")
 
-    plan._run = refuse
+    ((key, compiled),) = plan._kernels.items()
+    plan._kernels[key] = (refuse, *compiled[1:])
     poison(out)
     expand_dflash_inputs(*positional, **keywords, out=out)
     assert_matches(out, oracle(case), case, "after the fallback")
-    assert kernel_module._direct_launch_ok is False and plan._run is None
-    assert jit_launches[0] == 2
+    assert kernel_module._direct_launch_ok is False and not plan._kernels
+    expand_dflash_inputs(*positional, **keywords, out=out)
+    assert jit_launches[0] == 3 and not plan._kernels
