@@ -177,9 +177,9 @@ def time_variants(
 ) -> dict[str, dict[str, float]]:
     names = list(launches)
     samples: dict[str, list[tuple]] = {name: [] for name in names}
-    for launch in launches.values():  # warm: compile, plan, first cached launch
-        launch()
-        launch()
+    for launch in launches.values():  # warm: compile, plan, first cached launch of every size
+        for _ in range(2 * NUM_SIZES):
+            launch()
     sync()
     gc.collect()
     gc.disable()
