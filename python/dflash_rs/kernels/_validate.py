@@ -17,7 +17,7 @@ from dflash_rs.errors import InvalidArgumentError
 from dflash_rs.kernels._grid import num_programs
 from dflash_rs.kernels.result import DFlashInputs
 
-__all__ = ["ExpandArgs", "prepare_expand_args"]
+__all__ = ["ExpandArgs", "check_values", "prepare_expand_args"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -146,7 +146,7 @@ def _check_out(out: Any, num_reqs: int, num_ctx: int, num_spec: int, device: tor
         )
 
 
-def _check_values(args: ExpandArgs) -> None:
+def check_values(args: ExpandArgs) -> None:
     """Data checks, gathered into one device-to-host copy; details only on failure."""
     qsl = args.query_start_loc.to(torch.int64)
     lengths = qsl[1:] - qsl[:-1]
@@ -289,5 +289,5 @@ def prepare_expand_args(
         accumulate_violations=bool(accumulate_violations),
     )
     if validate:
-        _check_values(args)
+        check_values(args)
     return args

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
 
 from dflash_rs.errors import InvalidArgumentError
-from dflash_rs.kernels._validate import prepare_expand_args
+from dflash_rs.kernels._launch_cache import MAX_PLANS, call_signature, sizes_fit
+from dflash_rs.kernels._validate import ExpandArgs, check_values, prepare_expand_args
 from dflash_rs.kernels.reference import run_reference
 from dflash_rs.kernels.result import DFlashInputs
+
+if TYPE_CHECKING:
+    from dflash_rs.kernels.dflash_expand import ExpandLaunch
 
 __all__ = ["Backend", "expand_dflash_inputs", "triton_available"]
 
@@ -78,7 +82,36 @@ def expand_dflash_inputs(
     may have an empty context range (its lanes become padding). ``backend="auto"`` runs the Triton
     kernel on CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``) and the pure-torch
     reference otherwise. Raises ``InvalidArgumentError`` for bad inputs.
+
+    Repeated calls into the same ``out``: the first call of a signature (the tensors' dtypes,
+    devices, dims, contiguity and data-pointer alignment, the table's width and strides, the
+    output buffers' metadata, the scalars; not the batch's size) checks the arguments and plans
+    the launch; a later call of that signature whose batch fits the buffers checks only the
+    sizes, and launches the compiled kernel without Triton's JIT (see
+    ``kernels/_launch_cache.py``). Any other change of a buffer, in place included, is checked
+    again; ``validate=True`` still checks the data on every call.
     """
+    signature = None
+    if out is not None and backend != "reference" and isinstance(out, DFlashInputs):
+        found = call_signature(
+            next_token_ids,
+            target_positions,
+            query_start_loc,
+            block_table,
+            num_rejected_tokens,
+            num_blocks_per_row,
+            out,
+            block_size,
+            num_speculative_tokens,
+            mask_token_id,
+            max_model_len,
+            accumulate_violations,
+            backend,
+        )
+        if found is not None:
+            signature = found[0]
+            if _launch_planned(found, out, num_rejected_tokens, num_blocks_per_row, validate):
+                return out
     if backend not in ("auto", "triton", "reference"):
         raise InvalidArgumentError(
             f"backend must be 'auto', 'triton' or 'reference', got {backend!r}"
@@ -106,6 +139,56 @@ def expand_dflash_inputs(
             f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 with CPU tensors) and an "
             f"importable triton; tensors are on {args.device}"
         )
-    from dflash_rs.kernels.dflash_expand import launch_expand_kernel
+    from dflash_rs.kernels.dflash_expand import ExpandLaunch, kernel_tensors
 
-    return launch_expand_kernel(args)
+    plan = ExpandLaunch(args)
+    plan.launch_jit(kernel_tensors(args), args.num_reqs, args.num_ctx)
+    if signature is not None:  # checked and launched: later calls like it launch the plan
+        plans = args.out._launch_plans
+        if len(plans) >= MAX_PLANS:
+            del plans[next(iter(plans))]
+        plans[signature] = plan
+    return args.out
+
+
+def _launch_planned(
+    found: tuple,
+    out: DFlashInputs,
+    num_rejected_tokens: Optional[torch.Tensor],
+    num_blocks_per_row: Optional[torch.Tensor],
+    validate: bool,
+) -> bool:
+    """Launch the plan of a call's signature (``call_signature``'s result) if there is one and
+    the batch fits it; False when the call must take the full path."""
+    signature, tensors, pointers, sizes = found
+    plan: Optional[ExpandLaunch] = out._launch_plans.get(signature)
+    # A CPU plan ran under TRITON_INTERPRET=1, which may have been unset since.
+    if (
+        plan is None
+        or (plan.device_index is None and not _interpreting())
+        or not sizes_fit(sizes, plan.max_num_reqs, plan.max_num_ctx)
+    ):
+        return False
+    num_reqs, num_ctx = sizes[0][0], sizes[1][0]
+    if validate:
+        scalars, constexprs = plan.scalars, plan.constexprs
+        check_values(
+            ExpandArgs(
+                next_token_ids=tensors[0],
+                target_positions=tensors[1],
+                query_start_loc=tensors[2],
+                block_table=tensors[3],
+                num_rejected_tokens=num_rejected_tokens,
+                num_blocks_per_row=num_blocks_per_row,
+                num_reqs=num_reqs,
+                num_ctx=num_ctx,
+                num_speculative_tokens=constexprs["NUM_SPEC"],
+                block_size=constexprs["KV_BLOCK"],
+                mask_token_id=scalars[7],
+                max_model_len=scalars[8] if constexprs["HAS_MAX_LEN"] else None,
+                out=out,
+                accumulate_violations=constexprs["ACCUMULATE"],
+            )
+        )
+    plan.launch(tensors, pointers, num_reqs, num_ctx)
+    return True

@@ -29,7 +29,7 @@ from dflash_rs.kernels import _grid
 from dflash_rs.kernels._validate import ExpandArgs
 from dflash_rs.kernels.result import DFlashInputs
 
-__all__ = ["launch_expand_kernel"]
+__all__ = ["MAX_BATCH_SHAPES", "ExpandLaunch", "kernel_tensors", "launch_expand_kernel"]
 
 # Request starts sampled once per context tile, for skewed batches and the per-lane fallback.
 COARSE_SAMPLES = 32
@@ -560,82 +560,235 @@ def _next_power_of_2(value: int) -> int:
     return 1 << max(value - 1, 0).bit_length()
 
 
-def launch_expand_kernel(args: ExpandArgs) -> DFlashInputs:
-    """Fill ``args.out`` with one kernel launch (no host synchronisation) and return it."""
-    out = args.out
-    query_capacity = out.input_ids.numel()
-    context_capacity = out.context_positions.numel()
-    query_tile, context_tile = _grid.QUERY_TILE, _grid.CONTEXT_TILE
-    num_query_programs = triton.cdiv(query_capacity, query_tile)
-    # At least one program: it writes the violation slots even for an empty batch.
-    grid = (_grid.num_programs(query_capacity, context_capacity),)
-    req_span = max(COARSE_SAMPLES, _next_power_of_2(args.num_reqs))
-    fine_steps = (req_span // COARSE_SAMPLES).bit_length() - 1
-    # Rows a context tile spans on average.
-    span = context_tile * args.num_reqs / max(args.num_ctx, 1)
-    probe = span > PROBE_SPAN
-    # Those rows plus room for the guess to be off; at most MAX_WINDOW, and at most the largest
-    # power of two that fits query_start_loc (the search's loads have no mask).
-    window = min(
-        MAX_WINDOW,
-        _next_power_of_2(int(span) + WINDOW_MARGIN),
-        1 << (args.num_reqs + 1).bit_length() - 1,
-    )
-    # Absent optional inputs: any valid pointer; the constexpr flags compile their loads away.
-    placeholder = args.next_token_ids
-    num_rejected = args.num_rejected_tokens
-    per_row = args.num_blocks_per_row
-    table = args.block_table
-    partials = out.violation_partials
+# The kernel's parameters: 13 pointers (see kernel_tensors), 12 scalars (ExpandLaunch.scalars),
+# then the constexprs.
+POINTER_ARGS = 13
+_CONSTEXPR_NAMES = tuple(_dflash_expand_kernel.arg_names[POINTER_ARGS + 12 :])
+assert _dflash_expand_kernel.arg_names[POINTER_ARGS : POINTER_ARGS + 12] == [
+    "num_reqs", "num_ctx", "rows_per_lane", "query_capacity", "context_capacity",
+    "num_query_programs", "num_programs", "num_slots", "table_stride", "table_width",
+    "mask_token_id", "max_model_len",
+]  # fmt: skip
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# Cleared for the process when a compiled kernel's launcher refuses the argument convention of
+# the Triton version this was written against (3.6: every parameter, constexprs included).
+_direct_launch_ok = _get_device is not None and _raw_stream is not None and hasattr(triton, "knobs")
 
-    def launch() -> None:
-        _dflash_expand_kernel[grid](
-            args.next_token_ids,
-            args.target_positions,
-            args.query_start_loc,
-            table,
-            placeholder if num_rejected is None else num_rejected,
-            placeholder if per_row is None else per_row,
-            out.input_ids,
-            out.query_positions,
-            out.query_slot_mapping,
-            out.context_positions,
-            out.context_slot_mapping,
-            out.token_indices_to_sample,
-            partials,
-            args.num_reqs,
-            args.num_ctx,
-            args.num_reqs / max(args.num_ctx, 1),
+
+def _knob_state() -> tuple:
+    """The global Triton settings the JIT reads into a kernel's cache key on every launch."""
+    return (triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
+
+
+_HookChain = getattr(getattr(triton, "knobs", None), "HookChain", None)
+
+
+def _hooks_installed() -> bool:
+    """Whether a launch hook (a profiler's) is set: those get the JIT's launch metadata.
+
+    Triton 3.6 keeps an empty ``HookChain`` where earlier versions kept None."""
+    runtime = triton.knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and (type(hook) is not _HookChain or hook.calls):
+            return True
+    return False
+
+
+class _BatchShape:
+    """What a launch of one plan takes from the batch's size: the scalars, the constexprs that
+    depend on it, and the key of the compiled kernel those constexprs select."""
+
+    __slots__ = ("constexprs", "kernel_key", "scalars", "tail")
+
+    def __init__(self, plan: ExpandLaunch, num_reqs: int, num_ctx: int) -> None:
+        req_span = max(COARSE_SAMPLES, _next_power_of_2(num_reqs))
+        # Rows a context tile spans on average.
+        span = _grid.CONTEXT_TILE * num_reqs / max(num_ctx, 1)
+        # Those rows plus room for the guess to be off; at most MAX_WINDOW, and at most the
+        # largest power of two that fits query_start_loc (the search's loads have no mask).
+        window = min(
+            MAX_WINDOW,
+            _next_power_of_2(int(span) + WINDOW_MARGIN),
+            1 << (num_reqs + 1).bit_length() - 1,
+        )
+        varying = {
+            "WINDOW": window,
+            "WINDOW_LOG2": window.bit_length() - 1,
+            "PROBE": span > PROBE_SPAN,
+            "REQ_SPAN": req_span,
+            "FINE_STEPS": (req_span // COARSE_SAMPLES).bit_length() - 1,
+        }
+        self.constexprs = {**plan.constexprs, **varying}
+        self.kernel_key = tuple(varying.values())
+        self.scalars = (num_reqs, num_ctx, num_reqs / max(num_ctx, 1), *plan.scalars)
+        # Everything after the pointers, in the kernel's parameter order (constexprs included:
+        # the launcher takes every parameter and skips those).
+        self.tail = self.scalars + tuple(self.constexprs[name] for name in _CONSTEXPR_NAMES)
+
+
+MAX_BATCH_SHAPES = 256  # batch sizes remembered per plan (the oldest is dropped past this)
+
+
+class ExpandLaunch:
+    """A launch plan: the grid, the scalars and the compiled kernels of every launch whose
+    arguments have the metadata (but for the batch's size) of the checked ``args`` it is made
+    from.
+
+    Everything here follows from the buffers' metadata: the grid and most scalars from the
+    output buffers and the table, the constexprs from the scalar arguments and, for a few, from
+    the batch size (``_BatchShape``, memoised per size). ``expand_dflash_inputs`` keeps one per
+    buffer set and call signature (``_launch_cache.py``), so a repeated eager call launches with
+    ``launch`` and nothing else: no argument checks beyond the sizes, no Triton argument binding
+    or cache key, no device context when the current device is already the tensors'. The first
+    launch of each compiled variant goes through Triton's JIT, which compiles or finds it; later
+    ones call its launcher directly, with raw pointers (the checks put every tensor on this
+    CUDA device). The JIT path stays in use under the interpreter, with launch hooks installed
+    (profilers), after a change of Triton's debug or instrumentation settings, and if the
+    launcher refuses the argument convention.
+    """
+
+    __slots__ = (
+        "_kernels",
+        "_shapes",
+        "constexprs",
+        "device",
+        "device_index",
+        "grid",
+        "max_num_ctx",
+        "max_num_reqs",
+        "scalars",
+    )
+
+    def __init__(self, args: ExpandArgs) -> None:
+        out = args.out
+        query_capacity = out.input_ids.numel()
+        context_capacity = out.context_positions.numel()
+        # At least one program: it writes the violation slots even for an empty batch.
+        num_programs = _grid.num_programs(query_capacity, context_capacity)
+        table = args.block_table
+        self.grid = (num_programs,)
+        self.max_num_reqs = out.max_num_reqs
+        self.max_num_ctx = context_capacity
+        # The scalars after num_reqs, num_ctx and rows_per_lane.
+        self.scalars = (
             query_capacity,
             context_capacity,
-            num_query_programs,
-            grid[0],
-            partials.numel(),
+            triton.cdiv(query_capacity, _grid.QUERY_TILE),
+            num_programs,
+            out.violation_partials.numel(),
             table.stride(0),
             table.shape[1],
             args.mask_token_id,
             args.max_model_len if args.max_model_len is not None else 0,
-            NUM_SPEC=args.num_speculative_tokens,
-            KV_BLOCK=args.block_size,
-            QUERY_TILE=query_tile,
-            CONTEXT_TILE=context_tile,
-            WINDOW=window,
-            WINDOW_LOG2=window.bit_length() - 1,
-            PROBE=probe,
-            REQ_SPAN=req_span,
-            COARSE=COARSE_SAMPLES,
-            FINE_STEPS=fine_steps,
-            HAS_REJECTED=num_rejected is not None,
-            STRICT=per_row is not None,
-            HAS_MAX_LEN=args.max_model_len is not None,
-            ACCUMULATE=args.accumulate_violations,
-            ZERO_TILE_=ZERO_TILE,
-            num_warps=NUM_WARPS,
         )
+        self.constexprs = {
+            "NUM_SPEC": args.num_speculative_tokens,
+            "KV_BLOCK": args.block_size,
+            "QUERY_TILE": _grid.QUERY_TILE,
+            "CONTEXT_TILE": _grid.CONTEXT_TILE,
+            "COARSE": COARSE_SAMPLES,
+            "HAS_REJECTED": args.num_rejected_tokens is not None,
+            "STRICT": args.num_blocks_per_row is not None,
+            "HAS_MAX_LEN": args.max_model_len is not None,
+            "ACCUMULATE": args.accumulate_violations,
+            "ZERO_TILE_": ZERO_TILE,
+        }
+        self.device = args.device
+        self.device_index = args.device.index if args.device.type == "cuda" else None
+        self._shapes: dict[tuple[int, int], _BatchShape] = {}
+        # kernel key -> (launcher, function handle, packed metadata, Triton settings)
+        self._kernels: dict[tuple, tuple] = {}
 
-    if args.device.type == "cuda":
-        with torch.cuda.device(args.device):
+    def batch_shape(self, num_reqs: int, num_ctx: int) -> _BatchShape:
+        shape = self._shapes.get((num_reqs, num_ctx))
+        if shape is None:
+            if len(self._shapes) >= MAX_BATCH_SHAPES:
+                del self._shapes[next(iter(self._shapes))]
+            shape = self._shapes[num_reqs, num_ctx] = _BatchShape(self, num_reqs, num_ctx)
+        return shape
+
+    def launch_jit(self, tensors: tuple, num_reqs: int, num_ctx: int) -> None:
+        """Launch through Triton's JIT (binds, specialises, compiles when new), and keep the
+        compiled kernel for direct launches."""
+        shape = self.batch_shape(num_reqs, num_ctx)
+
+        def launch() -> object:
+            return _dflash_expand_kernel[self.grid](
+                *tensors, *shape.scalars, num_warps=NUM_WARPS, **shape.constexprs
+            )
+
+        if self.device_index is None:  # TRITON_INTERPRET=1 on CPU tensors: nothing to keep
             launch()
-    else:  # TRITON_INTERPRET=1 on CPU tensors
-        launch()
-    return out
+            return
+        with torch.cuda.device(self.device_index):
+            compiled = launch()
+        if _direct_launch_ok and shape.kernel_key not in self._kernels:
+            function = getattr(compiled, "function", None)
+            packed_metadata = getattr(compiled, "packed_metadata", None)
+            if function is not None and packed_metadata is not None:
+                entry = (compiled.run, function, packed_metadata, _knob_state())
+                self._kernels[shape.kernel_key] = entry
+
+    def launch(self, tensors: tuple, pointers: tuple, num_reqs: int, num_ctx: int) -> None:
+        """Launch on ``tensors`` (the kernel's pointer arguments, in order), whose data pointers
+        are ``pointers``: buffers of the metadata this plan was made for, holding a batch of
+        ``num_reqs`` requests and ``num_ctx`` context tokens that fits them."""
+        global _direct_launch_ok
+        shape = self.batch_shape(num_reqs, num_ctx)
+        compiled = self._kernels.get(shape.kernel_key)
+        if compiled is None or _hooks_installed() or _knob_state() != compiled[3]:
+            self.launch_jit(tensors, num_reqs, num_ctx)
+            return
+        run, function, packed_metadata = compiled[:3]
+        index = self.device_index
+        try:
+            if _get_device() == index:
+                run(
+                    self.grid[0], 1, 1, _raw_stream(index), function, packed_metadata,
+                    None, None, None, *pointers, *shape.tail,
+                )  # fmt: skip
+            else:
+                with torch.cuda.device(index):
+                    run(
+                        self.grid[0], 1, 1, _raw_stream(index), function, packed_metadata,
+                        None, None, None, *pointers, *shape.tail,
+                    )  # fmt: skip
+        except TypeError:
+            # The launcher parses its arguments before launching: nothing ran. Another Triton
+            # version's convention; use the JIT from now on.
+            _direct_launch_ok = False
+            self._kernels.clear()
+            self.launch_jit(tensors, num_reqs, num_ctx)
+
+
+def kernel_tensors(args: ExpandArgs) -> tuple:
+    """The kernel's pointer arguments of ``args``, in order; an absent optional input gets
+    next_token_ids (any valid pointer: the constexpr flags compile its loads away)."""
+    out = args.out
+    placeholder = args.next_token_ids
+    rejected, per_row = args.num_rejected_tokens, args.num_blocks_per_row
+    return (
+        args.next_token_ids,
+        args.target_positions,
+        args.query_start_loc,
+        args.block_table,
+        placeholder if rejected is None else rejected,
+        placeholder if per_row is None else per_row,
+        out.input_ids,
+        out.query_positions,
+        out.query_slot_mapping,
+        out.context_positions,
+        out.context_slot_mapping,
+        out.token_indices_to_sample,
+        out.violation_partials,
+    )
+
+
+def launch_expand_kernel(args: ExpandArgs) -> DFlashInputs:
+    """Fill ``args.out`` with one kernel launch (no host synchronisation) and return it.
+
+    Plans the launch afresh (reading the module's constants) and launches through the JIT.
+    """
+    ExpandLaunch(args).launch_jit(kernel_tensors(args), args.num_reqs, args.num_ctx)
+    return args.out

@@ -46,6 +46,12 @@ class DFlashInputs:
     # slot p (0 in default mode; a launch also zeroes any slot past its grid), so a launch or a
     # CUDA-graph replay needs no memset and no atomics. ``num_violations`` sums it.
     violation_partials: torch.Tensor = dataclasses.field(repr=False, compare=False)
+    # Launch plans of eager calls into these buffers, keyed by everything the argument checks and
+    # the kernel's specialisation read (see kernels/_launch_cache.py). Not copied by ``narrow``
+    # or ``dataclasses.replace``: a new buffer set starts with none.
+    _launch_plans: dict = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def empty(
