@@ -86,6 +86,12 @@ class OutputBuilder:
             if resumed and not self.v2:
                 continue  # V1: a resumed request is a cached one with all its blocks
             req = requests[rid]
+            if self.v2:
+                # vLLM hands over the request's own token list; a new request's holds its
+                # prompt (the adapter never appends outputs to it), a resumed one's would not.
+                prefill = nd.all_token_ids if resumed else req._all_token_ids
+            else:
+                prefill = None
             data = self.NewRequestData(
                 req_id=rid,
                 prompt_token_ids=req.prompt_token_ids,
@@ -95,7 +101,7 @@ class OutputBuilder:
                 block_ids=(nd.block_ids,),
                 num_computed_tokens=nd.num_computed_tokens,
                 lora_request=None,
-                prefill_token_ids=nd.all_token_ids if self.v2 else None,
+                prefill_token_ids=prefill,
             )
             (resumed_reqs if resumed else new_reqs).append(data)
         new_reqs.extend(resumed_reqs)  # vLLM lists new requests first, then resumed ones
