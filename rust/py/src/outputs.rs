@@ -426,11 +426,20 @@ impl PySchedulerOutput {
 }
 
 /// What one request got from one `update_from_output`.
-#[pyclass(module = "dflash_rs._core", name = "RequestOutput", frozen)]
+///
+/// One is built per request per step, so it costs one Python allocation and nothing more: the
+/// tokens live in the object itself (see [`OutputTokens`]), and freed objects are kept for
+/// reuse (`freelist`: a steady batch of that many requests allocates no memory for them).
+#[pyclass(
+    module = "dflash_rs._core",
+    name = "RequestOutput",
+    frozen,
+    freelist = 4096
+)]
 pub struct PyRequestOutput {
     #[pyo3(get)]
     pub request_id: Py<PyString>,
-    pub new_tokens: Vec<u32>,
+    new_tokens: OutputTokens,
     /// "stop", "length", "abort", "error", or None while running.
     #[pyo3(get)]
     pub finish_reason: Option<&'static str>,
@@ -439,15 +448,66 @@ pub struct PyRequestOutput {
     pub stop_reason: Option<u32>,
 }
 
+/// A `RequestOutput`'s tokens: inline up to [`OutputTokens::INLINE`] (K + 1 tokens for any
+/// K up to 14), on the heap beyond. Each output owns its tokens, so one held output keeps no
+/// other request's tokens alive.
+enum OutputTokens {
+    Inline {
+        len: u8,
+        tokens: [u32; OutputTokens::INLINE],
+    },
+    Heap(Box<[u32]>),
+}
+
+impl OutputTokens {
+    const INLINE: usize = 15;
+
+    fn new(tokens: &[u32]) -> Self {
+        if tokens.len() <= Self::INLINE {
+            let mut inline = [0; Self::INLINE];
+            inline[..tokens.len()].copy_from_slice(tokens);
+            Self::Inline {
+                len: tokens.len() as u8,
+                tokens: inline,
+            }
+        } else {
+            Self::Heap(tokens.into())
+        }
+    }
+
+    fn as_slice(&self) -> &[u32] {
+        match self {
+            Self::Inline { len, tokens } => &tokens[..*len as usize],
+            Self::Heap(tokens) => tokens,
+        }
+    }
+}
+
 impl PyRequestOutput {
+    /// The output of a request that received `new_tokens` (its finish reason and stop token
+    /// once it finished).
+    pub fn new(
+        request_id: Py<PyString>,
+        new_tokens: &[u32],
+        finish_reason: Option<&'static str>,
+        stop_reason: Option<u32>,
+    ) -> Self {
+        Self {
+            request_id,
+            new_tokens: OutputTokens::new(new_tokens),
+            finish_reason,
+            stop_reason,
+        }
+    }
+
     /// The final output of a request the scheduler ended on its own: no tokens, its reason.
     pub fn ended(py: Python<'_>, ended: &dflash_core::EndedRequest) -> Self {
-        Self {
-            request_id: PyString::new(py, &ended.request_id).unbind(),
-            new_tokens: Vec::new(),
-            finish_reason: Some(ended.finish_reason.name()),
-            stop_reason: None,
-        }
+        Self::new(
+            PyString::new(py, &ended.request_id).unbind(),
+            &[],
+            Some(ended.finish_reason.name()),
+            None,
+        )
     }
 }
 
@@ -456,7 +516,7 @@ impl PyRequestOutput {
     /// Tokens accepted in this step (accepted drafts + bonus, cut at a stop).
     #[getter]
     fn new_token_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        Ok(PyList::new(py, &self.new_tokens)?.unbind())
+        Ok(PyList::new(py, self.new_tokens.as_slice())?.unbind())
     }
 
     /// Whether the request finished in this step.
@@ -469,7 +529,7 @@ impl PyRequestOutput {
         format!(
             "RequestOutput(request_id={}, new_token_ids={:?}, finish_reason={})",
             self.request_id.bind(py),
-            self.new_tokens,
+            self.new_tokens.as_slice(),
             self.finish_reason
                 .map_or("None".to_owned(), |r| format!("'{r}'"))
         )

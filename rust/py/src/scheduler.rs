@@ -345,32 +345,30 @@ impl State {
     /// One `RequestOutput` per request in the last update, in batch order, then one per request
     /// the scheduler ended on its own (no tokens).
     fn request_outputs(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        let list = PyList::empty(py);
-        for u in &self.update.updates {
-            let ro = PyRequestOutput {
-                request_id: self.id_of(py, u.slot)?,
-                new_tokens: self.update.new_token_ids
-                    [u.tokens_start as usize..u.tokens_end as usize]
-                    .to_vec(),
-                finish_reason: u.finish_reason.map(FinishReason::name),
-                stop_reason: if u.finish_reason.is_some() {
-                    u.stop_token
-                } else {
-                    None
-                },
-            };
-            let ro = Py::new(py, ro)?;
+        let update = &self.update;
+        let mut outputs = Vec::with_capacity(update.updates.len() + update.ended.len());
+        for u in &update.updates {
+            let ro = Bound::new(
+                py,
+                PyRequestOutput::new(
+                    self.id_of(py, u.slot)?,
+                    &update.new_token_ids[u.tokens_start as usize..u.tokens_end as usize],
+                    u.finish_reason.map(FinishReason::name),
+                    u.finish_reason.and(u.stop_token),
+                ),
+            )?;
             // A RequestOutput holds only a str and Rust data, so it can never be part of a
             // reference cycle; untracking it keeps one object per request per step out of the
-            // garbage collector's young generation.
-            // SAFETY: `ro` is a live object of a GC type; untracking a tracked object is valid.
+            // garbage collector's young generation (one reused from the free list is
+            // untracked already).
+            // SAFETY: `ro` is a live object of a GC type; untracking an object is valid.
             unsafe { pyo3::ffi::PyObject_GC_UnTrack(ro.as_ptr().cast()) };
-            list.append(ro)?;
+            outputs.push(ro.into_any());
         }
-        for e in &self.update.ended {
-            list.append(PyRequestOutput::ended(py, e))?;
+        for e in &update.ended {
+            outputs.push(Bound::new(py, PyRequestOutput::ended(py, e))?.into_any());
         }
-        Ok(list.unbind())
+        Ok(PyList::new(py, outputs)?.unbind())
     }
 }
 
