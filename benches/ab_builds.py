@@ -72,9 +72,7 @@ def run_once(
     loaded = doc["versions"].get("core_so_sha256")
     if loaded != expect_core:
         raise SystemExit(f"the run loaded core {loaded}, not the snapshot's {expect_core}")
-    rows = {
-        (row["mode"], row["n"]): row for row in doc["aggregate"] if row["path"] == input_path
-    }
+    rows = {(row["mode"], row["n"]): row for row in doc["aggregate"] if row["path"] == input_path}
     # Admission (`--modes micro`): Request() + add_request() of a prompt, as the total.
     for name, stats in (doc.get("micro_aggregate") or {}).items():
         kind, size, path = name.rsplit("_", 2)
@@ -100,9 +98,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=20, help="runs of every build")
     parser.add_argument(
         "--path",
-        choices=("arrays", "lists"),
+        choices=("arrays", "lists", "lists_spec_dict"),
         default="arrays",
-        help="the API the bench drives: arrays, or lists (the README's lists and dicts)",
+        help="the API the bench drives (see dflash-rs bench --help)",
     )
     parser.add_argument("--json", help="write every run's numbers here")
     args, bench_args = parser.parse_known_args()
