@@ -18,7 +18,7 @@ use pyo3::PyTraverseError;
 use std::borrow::Cow;
 
 use crate::convert::{flat_exact_token_lists, strict_bool, token_ids, OutputArg, RequestId, Text};
-use crate::draft_dict::{parse_draft_dict, DraftDict, DraftKey};
+use crate::draft_dict::{self, LiveDrafts};
 use crate::errors::{invalid, to_py, unless_fatal, wrong_type, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::outputs::{
@@ -108,10 +108,10 @@ impl State {
     /// The live request (slot, generation) that `id` names when it is the very str interned
     /// for it. Holding that str keeps its address unique, and a slot's interned id is its
     /// latest request's, so identity settles it; any other str is looked up by its text.
-    fn slot_by_identity(&self, id: &Bound<'_, PyString>) -> Option<(u32, u32)> {
+    fn slot_by_identity(&self, id: Borrowed<'_, '_, PyString>) -> Option<(u32, u32)> {
         let &slot = self.slot_of_interned.get(&(id.as_ptr() as usize))?;
         let interned = self.ids.get(slot as usize)?.as_ref()?;
-        if !interned.is(id) {
+        if interned.as_ptr() != id.as_ptr() {
             return None;
         }
         let generation = self.inner.requests().slot_of_generation(slot)?;
@@ -125,50 +125,27 @@ impl State {
         Some((slot, generation))
     }
 
-    /// Installs a parsed drafts dict (see `update_draft_token_ids`): every key is resolved,
-    /// then every entry checked against K, before anything is installed.
-    fn install_draft_dict(&mut self, py: Python<'_>, drafts: &DraftDict<'_>) -> PyResult<usize> {
-        let mut slots = Vec::with_capacity(drafts.keys.len());
-        for key in &drafts.keys {
-            slots.push(match key {
-                DraftKey::Str(id) => match self.slot_by_identity(id) {
-                    Some(found) => Some(found),
-                    None => self.slot_by_text(&key.text()?),
-                },
-                DraftKey::Text(id) => self.slot_by_text(id),
-            });
-        }
+    /// `update_draft_token_ids` of a dict the one-pass read takes (None for any other).
+    fn install_exact_draft_dict(
+        &mut self,
+        py: Python<'_>,
+        dict: &Bound<'_, PyDict>,
+    ) -> PyResult<Option<usize>> {
         let k = self.inner.config().num_speculative_tokens;
-        if let Some(i) = drafts.counts.iter().position(|&c| c as usize > k) {
-            return Err(invalid(
-                py,
-                format!(
-                    "request {:?} got {} draft tokens but at most K = {k} can be verified",
-                    drafts.keys[i].text()?,
-                    drafts.counts[i]
-                ),
-            ));
+        let live = draft_dict::read_exact(dict, k, |id| match self.slot_by_identity(id) {
+            Some(found) => Ok(Some(found)),
+            None => Ok(self.slot_by_text(&draft_dict::key_text(id)?)),
+        })?;
+        match live {
+            Some(live) => self.install_live_drafts(py, &live).map(Some),
+            None => Ok(None),
         }
-        // Unknown and finished ids are ignored: only live requests' entries go to the core.
-        let known: Vec<(u32, u32)> = slots.iter().flatten().copied().collect();
-        let (tokens, counts): (Cow<'_, [u32]>, Cow<'_, [u32]>) = if known.len() == slots.len() {
-            (Cow::Borrowed(&drafts.tokens), Cow::Borrowed(&drafts.counts))
-        } else {
-            let mut tokens = Vec::new();
-            let mut counts = Vec::new();
-            let mut start = 0usize;
-            for (i, &count) in drafts.counts.iter().enumerate() {
-                let end = start + count as usize;
-                if slots[i].is_some() {
-                    tokens.extend_from_slice(&drafts.tokens[start..end]);
-                    counts.push(count);
-                }
-                start = end;
-            }
-            (Cow::Owned(tokens), Cow::Owned(counts))
-        };
+    }
+
+    /// Installs drafts of live requests (the core skips waiting and prefill-chunk ones).
+    fn install_live_drafts(&mut self, py: Python<'_>, live: &LiveDrafts) -> PyResult<usize> {
         self.inner
-            .update_draft_token_ids_for_slots(&known, &tokens, &counts)
+            .update_draft_token_ids_for_slots(&live.slots, &live.tokens, &live.counts)
             .py(py)
     }
 
@@ -626,8 +603,19 @@ impl PyScheduler {
         py: Python<'_>,
         draft_token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
-        let drafts = parse_draft_dict(py, draft_token_ids)?;
-        self.state.with(py, |st| st.install_draft_dict(py, &drafts))
+        let dict = draft_dict::as_draft_dict(draft_token_ids)?;
+        if let Some(applied) = self
+            .state
+            .with(py, |st| st.install_exact_draft_dict(py, dict))?
+        {
+            return Ok(applied);
+        }
+        let drafts = draft_dict::read_general(dict)?;
+        self.state.with(py, |st| {
+            let k = st.inner.config().num_speculative_tokens;
+            let live = drafts.resolve(py, k, |id| st.slot_by_text(id))?;
+            st.install_live_drafts(py, &live)
+        })
     }
 
     /// Drafts for the requests of `output`'s batch, as flat tokens + per-request counts
