@@ -4,9 +4,11 @@
 use std::sync::{Arc, OnceLock};
 
 use dflash_core::table_snapshot::TableSnapshot;
+use dflash_core::FinishReason;
 use numpy::ndarray::{ArrayView1, ArrayView2};
 use numpy::{PyArray1, PyArray2, PyUntypedArrayMethods};
 use pyo3::gc::PyVisit;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyFrozenSet, PyList, PySet, PyString, PyTuple};
@@ -429,7 +431,8 @@ impl PySchedulerOutput {
 ///
 /// One is built per request per step, so it costs one Python allocation and nothing more: the
 /// tokens live in the object itself (see [`OutputTokens`]), and freed objects are kept for
-/// reuse (`freelist`: a steady batch of that many requests allocates no memory for them).
+/// reuse (`freelist`: a steady batch of that many requests allocates no memory for them). The
+/// other attributes are Python objects read in place (struct members, no getter call).
 #[pyclass(
     module = "dflash_rs._core",
     name = "RequestOutput",
@@ -438,14 +441,14 @@ impl PySchedulerOutput {
 )]
 pub struct PyRequestOutput {
     #[pyo3(get)]
-    pub request_id: Py<PyString>,
+    request_id: Py<PyString>,
     new_tokens: OutputTokens,
-    /// "stop", "length", "abort", "error", or None while running.
+    /// "stop", "length", "abort", "error" (one str each per process), or None while running.
     #[pyo3(get)]
-    pub finish_reason: Option<&'static str>,
-    /// The stop token that ended the request, if any.
+    finish_reason: Py<PyAny>,
+    /// The stop token that ended the request, or None.
     #[pyo3(get)]
-    pub stop_reason: Option<u32>,
+    stop_reason: Py<PyAny>,
 }
 
 /// A `RequestOutput`'s tokens: inline up to [`OutputTokens::INLINE`] (K + 1 tokens for any
@@ -487,27 +490,37 @@ impl PyRequestOutput {
     /// The output of a request that received `new_tokens` (its finish reason and stop token
     /// once it finished).
     pub fn new(
+        py: Python<'_>,
         request_id: Py<PyString>,
         new_tokens: &[u32],
-        finish_reason: Option<&'static str>,
+        finish_reason: Option<FinishReason>,
         stop_reason: Option<u32>,
-    ) -> Self {
-        Self {
+    ) -> PyResult<Self> {
+        Ok(Self {
             request_id,
             new_tokens: OutputTokens::new(new_tokens),
-            finish_reason,
-            stop_reason,
-        }
+            finish_reason: match finish_reason {
+                Some(reason) => finish_reason_str(py, reason).clone().into_any().unbind(),
+                None => py.None(),
+            },
+            stop_reason: stop_reason.into_pyobject(py)?.unbind(),
+        })
     }
 
     /// The final output of a request the scheduler ended on its own: no tokens, its reason.
-    pub fn ended(py: Python<'_>, ended: &dflash_core::EndedRequest) -> Self {
-        Self::new(
-            PyString::new(py, &ended.request_id).unbind(),
-            &[],
-            Some(ended.finish_reason.name()),
-            None,
-        )
+    pub fn ended(py: Python<'_>, ended: &dflash_core::EndedRequest) -> PyResult<Self> {
+        let id = PyString::new(py, &ended.request_id).unbind();
+        Self::new(py, id, &[], Some(ended.finish_reason), None)
+    }
+}
+
+/// A finish reason's name, one str per process.
+fn finish_reason_str(py: Python<'_>, reason: FinishReason) -> &Bound<'_, PyString> {
+    match reason {
+        FinishReason::Stop => intern!(py, "stop"),
+        FinishReason::Length => intern!(py, "length"),
+        FinishReason::Abort => intern!(py, "abort"),
+        FinishReason::Error => intern!(py, "error"),
     }
 }
 
@@ -521,8 +534,8 @@ impl PyRequestOutput {
 
     /// Whether the request finished in this step.
     #[getter]
-    fn finished(&self) -> bool {
-        self.finish_reason.is_some()
+    fn finished(&self, py: Python<'_>) -> bool {
+        !self.finish_reason.is_none(py)
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
@@ -531,7 +544,9 @@ impl PyRequestOutput {
             self.request_id.bind(py),
             self.new_tokens.as_slice(),
             self.finish_reason
-                .map_or("None".to_owned(), |r| format!("'{r}'"))
+                .bind(py)
+                .repr()
+                .map_or("?".into(), |r| r.to_string())
         )
     }
 }

@@ -5,9 +5,7 @@
 use std::sync::{Arc, OnceLock, Weak};
 
 use dflash_core::table_snapshot::{SnapshotPool, TableSnapshot};
-use dflash_core::{
-    CoreError, EntryKind, FinishReason, PauseState, Scheduler, StepOutput, UpdateOutput,
-};
+use dflash_core::{CoreError, EntryKind, PauseState, Scheduler, StepOutput, UpdateOutput};
 use hashbrown::HashMap;
 use numpy::PyArray1;
 use pyo3::gc::PyVisit;
@@ -434,14 +432,15 @@ impl State {
             let ro = Bound::new(
                 py,
                 PyRequestOutput::new(
+                    py,
                     self.id_of(py, u.slot)?,
                     &update.new_token_ids[u.tokens_start as usize..u.tokens_end as usize],
-                    u.finish_reason.map(FinishReason::name),
+                    u.finish_reason,
                     u.finish_reason.and(u.stop_token),
-                ),
+                )?,
             )?;
-            // A RequestOutput holds only a str and Rust data, so it can never be part of a
-            // reference cycle; untracking it keeps one object per request per step out of the
+            // A RequestOutput holds only strs, ints, None and Rust data, so it can never be
+            // part of a reference cycle; untracking it keeps one object per request per step out of the
             // garbage collector's young generation (one reused from the free list is
             // untracked already).
             // SAFETY: `ro` is a live object of a GC type; untracking an object is valid.
@@ -449,7 +448,7 @@ impl State {
             outputs.push(ro.into_any());
         }
         for e in &update.ended {
-            outputs.push(Bound::new(py, PyRequestOutput::ended(py, e))?.into_any());
+            outputs.push(Bound::new(py, PyRequestOutput::ended(py, e)?)?.into_any());
         }
         Ok(PyList::new(py, outputs)?.unbind())
     }
