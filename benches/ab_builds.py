@@ -36,8 +36,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PACKAGE = os.path.join(REPO, "python", "dflash_rs")
 BENCH = os.path.join(HERE, "scheduler_bench.py")
-PHASES = ("schedule_p50_us", "update_p50_us", "drafts_p50_us", "total_p50_us")
-FIXED = ["--paths", "arrays", "--reps", "1", "--clock", "cpu", "--preempt-n", "0"]
+PHASES = ("schedule_p50_us", "spec_p50_us", "update_p50_us", "drafts_p50_us", "total_p50_us")
+FIXED = ["--reps", "1", "--clock", "cpu", "--preempt-n", "0"]
 
 
 def snapshot(so: str, root: str, index: int) -> str:
@@ -60,22 +60,23 @@ def sha16(path: str) -> str:
 
 
 def run_once(
-    path: str, bench_args: list[str], out: str, expect_core: str
+    path: str, bench_args: list[str], out: str, expect_core: str, input_path: str
 ) -> dict[tuple[str, int], dict]:
-    """One scheduler_bench run against the package in `path`: {(mode, n): aggregate row}."""
+    """One scheduler_bench run against the package in `path` on the `input_path` API:
+    {(mode, n): aggregate row}."""
     env = dict(os.environ, PYTHONPATH=path, OPENBLAS_NUM_THREADS="1")
-    cmd = [sys.executable, BENCH, *FIXED, *bench_args, "--json", out]
+    cmd = [sys.executable, BENCH, "--paths", input_path, *FIXED, *bench_args, "--json", out]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, cwd="/")
     with open(out) as f:
         doc = json.load(f)
     loaded = doc["versions"].get("core_so_sha256")
     if loaded != expect_core:
         raise SystemExit(f"the run loaded core {loaded}, not the snapshot's {expect_core}")
-    rows = {(row["mode"], row["n"]): row for row in doc["aggregate"] if row["path"] == "arrays"}
+    rows = {(row["mode"], row["n"]): row for row in doc["aggregate"] if row["path"] == input_path}
     # Admission (`--modes micro`): Request() + add_request() of a prompt, as the total.
     for name, stats in (doc.get("micro_aggregate") or {}).items():
         kind, size, path = name.rsplit("_", 2)
-        if kind == "admit" and path == "arrays":
+        if kind == "admit" and path == input_path:
             row = {p: float("nan") for p in PHASES}
             row["total_p50_us"] = stats["p50_us"]
             rows[("admit", int(size))] = row
@@ -95,6 +96,12 @@ def main() -> int:
     )
     parser.add_argument("builds", nargs="+", help="_core.abi3.so files (2 or more)")
     parser.add_argument("--rounds", type=int, default=20, help="runs of every build")
+    parser.add_argument(
+        "--path",
+        choices=("arrays", "lists", "lists_spec_dict"),
+        default="arrays",
+        help="the API the bench drives (see dflash-rs bench --help)",
+    )
     parser.add_argument("--json", help="write every run's numbers here")
     args, bench_args = parser.parse_known_args()
     bench_args = [a for a in bench_args if a != "--"]
@@ -110,14 +117,18 @@ def main() -> int:
         for r in range(args.rounds):
             order = [(r + k) % len(paths) for k in range(len(paths))]
             for b in order:
-                for key, row in run_once(paths[b], bench_args, out, cores[b]).items():
+                for key, row in run_once(paths[b], bench_args, out, cores[b], args.path).items():
                     per = results[b].setdefault(key, {p: [] for p in PHASES})
                     for p in PHASES:
                         per[p].append(row[p])
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     rng = np.random.default_rng(0)
-    print("| config | build | schedule | update | drafts | total p50 (median) | total vs build 0 |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    print(f"path: {args.path}")
+    print(
+        "| config | build | schedule | spec | update | drafts | total p50 (median) "
+        "| total vs build 0 |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---|")
     for key in sorted(results[0]):
         base = np.array(results[0][key]["total_p50_us"])
         for b, label in enumerate(labels):
@@ -131,13 +142,14 @@ def main() -> int:
                 vs = f"{np.median(ratio):.3f}x [{lo:.3f}, {hi:.3f}]"
             print(
                 f"| {key[0]} N={key[1]} | {label} | {med[0]:.1f} | {med[1]:.1f} | "
-                f"{med[2]:.1f} | {med[3]:.1f} | {vs} |"
+                f"{med[2]:.1f} | {med[3]:.1f} | {med[4]:.1f} | {vs} |"
             )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {
                     "builds": args.builds,
+                    "path": args.path,
                     "bench_args": bench_args,
                     "results": [{f"{m}/{n}": v for (m, n), v in res.items()} for res in results],
                 },

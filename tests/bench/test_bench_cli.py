@@ -83,6 +83,24 @@ def test_in_process_method_k_and_quiet(capsys: pytest.CaptureFixture[str], tmp_p
     assert [r["mean_sched_tokens"] for r in doc["aggregate"]] == [4 * 3, 8 * 3]
 
 
+def test_paths_replay_the_same_trace(tmp_path: Path) -> None:
+    """The three paths drive the same steps: the README's loop (lists) and the arrays path
+    verify the runner's own drafts (``--check`` asserts they are the scheduled ones), the
+    vLLM-style path the drafts of ``scheduled_spec_decode_tokens``."""
+    report = tmp_path / "b.json"
+    argv = ["bench", *TINY, "--modes", "decode,serve", "--paths", "arrays,lists,lists_spec_dict"]
+    assert cli.main([*argv, "--check", "--clock", "cpu", "--quiet", "--json", str(report)]) == 0
+    rows = json.loads(report.read_text())["aggregate"]
+    by_path: dict = {}
+    for r in rows:
+        by_path.setdefault(r["path"], []).append(
+            (r["mode"], r["n"], r["mean_sched_tokens"], r["mean_accepted"], r["mean_finished"])
+        )
+    assert set(by_path) == {"arrays", "lists", "lists_spec_dict"}
+    assert by_path["arrays"] == by_path["lists"] == by_path["lists_spec_dict"]
+    assert all(r["mean_accepted"] > 0 for r in rows)
+
+
 def test_bad_mode_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", *TINY, "--modes", "decode,bogus"])

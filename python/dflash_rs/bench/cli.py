@@ -6,7 +6,12 @@ output (not timed), update_from_output() (``update``), the drafts for the next s
 (``drafts``) and admissions (``admit``); ``total`` = schedule + spec + update + drafts.
 Modes: decode (N requests admitted at once, pure decode), serve (closed loop with N in
 flight), preempt (serve at --preempt-n with --preempt-block-frac of the blocks), micro
-(Request() + add_request() of one prompt). Paths: arrays (int32 arrays) and lists.
+(Request() + add_request() of one prompt). Paths: arrays (int32 arrays in and out, the
+runner's own drafts counted by ``num_spec_tokens_array``), lists (the README's loop: sampled
+lists in, every RequestOutput's request_id, new_token_ids and finish_reason read within
+``update``, a drafts dict, the runner's own drafts as on the arrays path) and
+lists_spec_dict (lists in and out, the drafts to verify read from
+``scheduled_spec_decode_tokens`` as vLLM's engine does, only finished outputs read).
 
 With ``--baseline-python PY`` (an interpreter where vLLM 0.33 is installed) the same workload
 (same prompts, max_tokens, acceptance draws and drafts for each request) is replayed on vLLM's
@@ -61,7 +66,7 @@ from dflash_rs.config import SPECULATIVE_METHODS
 __all__ = ["add_arguments", "check_args", "main", "run"]
 
 MODES = ("decode", "serve", "preempt", "micro")
-PATHS = ("arrays", "lists")
+PATHS = ("arrays", "lists", "lists_spec_dict")
 SPECS = ("none", *SPECULATIVE_METHODS)
 
 
@@ -90,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--paths",
         type=choice_list(PATHS),
-        default=",".join(PATHS),
+        default="arrays,lists",
         help=f"input paths (comma list of {', '.join(PATHS)})",
     )
     add(

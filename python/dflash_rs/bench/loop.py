@@ -95,6 +95,12 @@ def run_sim(
 
     pc = clock(args)
     arrays = path == "arrays"
+    # The README's loop (`lists`): the runner knows its own drafts, as on the arrays path, and
+    # the update's RequestOutputs are read as the README reads them. `lists_spec_dict` takes the
+    # drafts to verify from `scheduled_spec_decode_tokens`, as vLLM's engine does, and reads
+    # only the finished outputs.
+    own_drafts = path != "lists_spec_dict"
+    read_outputs = path == "lists"
     K = args.num_spec_tokens if spec != "none" else 0
     serve = mode in ("serve", "preempt")
     max_gen = args.max_tokens if serve else args.decode_max_tokens
@@ -122,8 +128,8 @@ def run_sim(
         initial_pending.add(rid)
         sched.add_request(Request(rid, prompt, mt))
 
-    # Drafts this "runner" proposed and the scheduler has not scheduled yet (arrays path: the
-    # runner knows its own drafts and needs no dict from the scheduler).
+    # Drafts this "runner" proposed and the scheduler has not scheduled yet (arrays and lists
+    # paths: the runner knows its own drafts and needs no dict from the scheduler).
     pending_drafts: dict[str, list[int]] = {}
     has_nspec = hasattr(d.SchedulerOutput, "num_spec_tokens_array")
     # arrays path: results as flat arrays (UpdateResult) where the build has them (older
@@ -164,7 +170,7 @@ def run_sim(
         so = sched.schedule()
         t1 = pc()
         spec_map = nspec = None
-        if not arrays:
+        if not own_drafts:
             spec_map = so.scheduled_spec_decode_tokens
         elif has_nspec:
             nspec = so.num_spec_tokens_array
@@ -211,7 +217,7 @@ def run_sim(
         prefill_reqs = accepted = drafted = 0
         for i, rid in enumerate(rids):
             d_ = pending_drafts.pop(rid, None)
-            if arrays:
+            if own_drafts:
                 if nspec is not None:
                     st = d_[: nspec[i]] if d_ else None
                 else:  # older builds: drafts scheduled = tokens scheduled - 1 (bonus)
@@ -254,6 +260,9 @@ def run_sim(
             finished_ids = set(result.finished_req_ids)
         else:
             outs = sched.update_from_output(so, mro)
+            if read_outputs:
+                for o in outs:
+                    _id, _tokens, _reason = o.request_id, o.new_token_ids, o.finish_reason
             t4 = pc()
             finished_ids = {o.request_id for o in outs if o.finish_reason is not None}
         if prof is not None:

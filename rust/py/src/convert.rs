@@ -448,3 +448,95 @@ impl<'py> Deref for OutputArg<'_, 'py> {
         &self.0
     }
 }
+
+/// Appends the tokens of `obj` when it is an exact `list` or `tuple` of exact `int`s that are
+/// all token ids, and returns whether it did. This is the common case from Python (one list
+/// per request), read without a Python call or a reference count; for anything else it
+/// returns false with `tokens` as it was, and the caller takes the general path
+/// ([`token_ids`]), which raises the precise error.
+pub fn push_exact_token_ids(obj: Borrowed<'_, '_, PyAny>, tokens: &mut Vec<u32>) -> bool {
+    let before = tokens.len();
+    // SAFETY: `obj` is alive, and nothing here runs Python code (reading an exact int calls
+    // no `__index__`, and no Python object is allocated, so no garbage collection runs
+    // either), so no item can be replaced or freed while its borrowed pointer is read.
+    let ok = unsafe { push_exact_seq(obj.as_ptr(), tokens) };
+    if !ok {
+        tokens.truncate(before);
+    }
+    ok
+}
+
+/// Flattens a sequence of token sequences (`sampled_token_ids`, `draft_token_ids`) into
+/// `tokens` and one count per sequence, when it is an exact `list` or `tuple` of items that
+/// [`push_exact_token_ids`] reads; returns false with both vectors cleared otherwise.
+pub fn flat_exact_token_lists(
+    obj: &Bound<'_, PyAny>,
+    tokens: &mut Vec<u32>,
+    counts: &mut Vec<u32>,
+) -> bool {
+    // SAFETY: as in `push_exact_token_ids`.
+    let ok = unsafe {
+        for_each_exact_item(obj.as_ptr(), |seq| {
+            let before = tokens.len();
+            let ok = push_exact_seq(seq, tokens);
+            counts.push((tokens.len() - before) as u32);
+            ok
+        })
+    };
+    if !ok {
+        tokens.clear();
+        counts.clear();
+    }
+    ok
+}
+
+/// Calls `f` on each item of `seq` while it returns true, when `seq` is an exact `list` or
+/// `tuple`; returns whether it was one and `f` accepted every item.
+///
+/// # Safety
+/// `seq` must be alive, and `f` must run no Python code (the items are borrowed).
+#[inline(always)]
+unsafe fn for_each_exact_item(
+    seq: *mut pyo3::ffi::PyObject,
+    mut f: impl FnMut(*mut pyo3::ffi::PyObject) -> bool,
+) -> bool {
+    use pyo3::ffi;
+    if ffi::PyList_CheckExact(seq) != 0 {
+        let len = ffi::PyList_Size(seq);
+        (0..len).all(|i| {
+            let item = ffi::PyList_GetItem(seq, i);
+            !item.is_null() && f(item)
+        })
+    } else if ffi::PyTuple_CheckExact(seq) != 0 {
+        let len = ffi::PyTuple_Size(seq);
+        (0..len).all(|i| {
+            let item = ffi::PyTuple_GetItem(seq, i);
+            !item.is_null() && f(item)
+        })
+    } else {
+        false
+    }
+}
+
+/// Pushes the items of `seq` if it is an exact `list` or `tuple` of exact `int`s in the
+/// token range (possibly some of them before returning false).
+///
+/// # Safety
+/// As [`for_each_exact_item`].
+#[inline(always)]
+unsafe fn push_exact_seq(seq: *mut pyo3::ffi::PyObject, tokens: &mut Vec<u32>) -> bool {
+    use pyo3::ffi;
+    for_each_exact_item(seq, |value| {
+        if ffi::PyLong_CheckExact(value) == 0 {
+            return false;
+        }
+        let mut overflow = 0;
+        // An exact int raises nothing here: beyond a C long it reports `overflow` instead.
+        let t = ffi::PyLong_AsLongAndOverflow(value, &mut overflow);
+        if overflow != 0 || !(0..=i32::MAX as std::os::raw::c_long).contains(&t) {
+            return false;
+        }
+        tokens.push(t as u32);
+        true
+    })
+}

@@ -2,6 +2,7 @@
 //! maps errors and releases the GIL; all logic lives in the core.
 
 mod convert;
+mod draft_dict;
 mod errors;
 mod fast_call;
 mod guarded;

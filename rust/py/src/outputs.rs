@@ -4,9 +4,11 @@
 use std::sync::{Arc, OnceLock};
 
 use dflash_core::table_snapshot::TableSnapshot;
+use dflash_core::FinishReason;
 use numpy::ndarray::{ArrayView1, ArrayView2};
 use numpy::{PyArray1, PyArray2, PyUntypedArrayMethods};
 use pyo3::gc::PyVisit;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyFrozenSet, PyList, PySet, PyString, PyTuple};
@@ -426,28 +428,99 @@ impl PySchedulerOutput {
 }
 
 /// What one request got from one `update_from_output`.
-#[pyclass(module = "dflash_rs._core", name = "RequestOutput", frozen)]
+///
+/// One is built per request per step, so it costs one Python allocation and nothing more: the
+/// tokens live in the object itself (see [`OutputTokens`]), and freed objects are kept for
+/// reuse (`freelist`: a steady batch of that many requests allocates no memory for them). The
+/// other attributes are Python objects read in place (struct members, no getter call).
+#[pyclass(
+    module = "dflash_rs._core",
+    name = "RequestOutput",
+    frozen,
+    freelist = 4096
+)]
 pub struct PyRequestOutput {
     #[pyo3(get)]
-    pub request_id: Py<PyString>,
-    pub new_tokens: Vec<u32>,
-    /// "stop", "length", "abort", "error", or None while running.
+    request_id: Py<PyString>,
+    new_tokens: OutputTokens,
+    /// "stop", "length", "abort", "error" (one str each per process), or None while running.
     #[pyo3(get)]
-    pub finish_reason: Option<&'static str>,
-    /// The stop token that ended the request, if any.
+    finish_reason: Py<PyAny>,
+    /// The stop token that ended the request, or None.
     #[pyo3(get)]
-    pub stop_reason: Option<u32>,
+    stop_reason: Py<PyAny>,
+}
+
+/// A `RequestOutput`'s tokens: inline up to [`OutputTokens::INLINE`] (K + 1 tokens for any
+/// K up to 14), on the heap beyond. Each output owns its tokens, so one held output keeps no
+/// other request's tokens alive.
+enum OutputTokens {
+    Inline {
+        len: u8,
+        tokens: [u32; OutputTokens::INLINE],
+    },
+    Heap(Box<[u32]>),
+}
+
+impl OutputTokens {
+    const INLINE: usize = 15;
+
+    fn new(tokens: &[u32]) -> Self {
+        if tokens.len() <= Self::INLINE {
+            let mut inline = [0; Self::INLINE];
+            inline[..tokens.len()].copy_from_slice(tokens);
+            Self::Inline {
+                len: tokens.len() as u8,
+                tokens: inline,
+            }
+        } else {
+            Self::Heap(tokens.into())
+        }
+    }
+
+    fn as_slice(&self) -> &[u32] {
+        match self {
+            Self::Inline { len, tokens } => &tokens[..*len as usize],
+            Self::Heap(tokens) => tokens,
+        }
+    }
 }
 
 impl PyRequestOutput {
+    /// The output of a request that received `new_tokens` (its finish reason and stop token
+    /// once it finished).
+    pub fn new(
+        py: Python<'_>,
+        request_id: Py<PyString>,
+        new_tokens: &[u32],
+        finish_reason: Option<FinishReason>,
+        stop_reason: Option<u32>,
+    ) -> PyResult<Self> {
+        Ok(Self {
+            request_id,
+            new_tokens: OutputTokens::new(new_tokens),
+            finish_reason: match finish_reason {
+                Some(reason) => finish_reason_str(py, reason).clone().into_any().unbind(),
+                None => py.None(),
+            },
+            stop_reason: stop_reason.into_pyobject(py)?.unbind(),
+        })
+    }
+
     /// The final output of a request the scheduler ended on its own: no tokens, its reason.
-    pub fn ended(py: Python<'_>, ended: &dflash_core::EndedRequest) -> Self {
-        Self {
-            request_id: PyString::new(py, &ended.request_id).unbind(),
-            new_tokens: Vec::new(),
-            finish_reason: Some(ended.finish_reason.name()),
-            stop_reason: None,
-        }
+    pub fn ended(py: Python<'_>, ended: &dflash_core::EndedRequest) -> PyResult<Self> {
+        let id = PyString::new(py, &ended.request_id).unbind();
+        Self::new(py, id, &[], Some(ended.finish_reason), None)
+    }
+}
+
+/// A finish reason's name, one str per process.
+fn finish_reason_str(py: Python<'_>, reason: FinishReason) -> &Bound<'_, PyString> {
+    match reason {
+        FinishReason::Stop => intern!(py, "stop"),
+        FinishReason::Length => intern!(py, "length"),
+        FinishReason::Abort => intern!(py, "abort"),
+        FinishReason::Error => intern!(py, "error"),
     }
 }
 
@@ -456,22 +529,24 @@ impl PyRequestOutput {
     /// Tokens accepted in this step (accepted drafts + bonus, cut at a stop).
     #[getter]
     fn new_token_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        Ok(PyList::new(py, &self.new_tokens)?.unbind())
+        Ok(PyList::new(py, self.new_tokens.as_slice())?.unbind())
     }
 
     /// Whether the request finished in this step.
     #[getter]
-    fn finished(&self) -> bool {
-        self.finish_reason.is_some()
+    fn finished(&self, py: Python<'_>) -> bool {
+        !self.finish_reason.is_none(py)
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
         format!(
             "RequestOutput(request_id={}, new_token_ids={:?}, finish_reason={})",
             self.request_id.bind(py),
-            self.new_tokens,
+            self.new_tokens.as_slice(),
             self.finish_reason
-                .map_or("None".to_owned(), |r| format!("'{r}'"))
+                .bind(py)
+                .repr()
+                .map_or("?".into(), |r| r.to_string())
         )
     }
 }

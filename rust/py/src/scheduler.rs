@@ -5,9 +5,8 @@
 use std::sync::{Arc, OnceLock, Weak};
 
 use dflash_core::table_snapshot::{SnapshotPool, TableSnapshot};
-use dflash_core::{
-    CoreError, EntryKind, FinishReason, PauseState, Scheduler, StepOutput, UpdateOutput,
-};
+use dflash_core::{CoreError, EntryKind, PauseState, Scheduler, StepOutput, UpdateOutput};
+use hashbrown::HashMap;
 use numpy::PyArray1;
 use pyo3::gc::PyVisit;
 use pyo3::intern;
@@ -16,7 +15,8 @@ use pyo3::types::{PyDict, PyFrozenSet, PyList, PyString, PyTuple};
 use pyo3::PyTraverseError;
 use std::borrow::Cow;
 
-use crate::convert::{strict_bool, token_ids, OutputArg, RequestId, Text};
+use crate::convert::{flat_exact_token_lists, strict_bool, token_ids, OutputArg, RequestId, Text};
+use crate::draft_dict::{self, LiveDrafts};
 use crate::errors::{invalid, to_py, unless_fatal, wrong_type, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::outputs::{
@@ -44,6 +44,9 @@ pub(crate) struct State {
     ids: Vec<Option<Py<PyString>>>,
     /// Number of `Some` entries in `ids`.
     num_interned: usize,
+    /// Slot of each interned id by the address of its str, to resolve the ids the scheduler
+    /// handed out without reading them. A hint only: see [`State::slot_by_identity`].
+    slot_of_interned: HashMap<usize, u32>,
     step: StepOutput,
     pub(crate) update: UpdateOutput,
     /// The last step's `req_ids` tuple, handed out again while the batch is unchanged.
@@ -63,12 +66,13 @@ impl State {
         if self.ids.len() <= s {
             self.ids.resize_with(s + 1, || None);
         }
-        if self.ids[s]
-            .replace(PyString::new(py, id).unbind())
-            .is_none()
-        {
-            self.num_interned += 1;
+        let interned = PyString::new(py, id).unbind();
+        let key = interned.as_ptr() as usize;
+        match self.ids[s].replace(interned) {
+            Some(old) => forget_interned(&mut self.slot_of_interned, &old, slot),
+            None => self.num_interned += 1,
         }
+        self.slot_of_interned.insert(key, slot);
     }
 
     pub(crate) fn id_of(&self, py: Python<'_>, slot: u32) -> PyResult<Py<PyString>> {
@@ -92,9 +96,55 @@ impl State {
         self.num_interned = self.inner.num_unfinished();
         for (slot, id) in self.ids.iter_mut().enumerate() {
             if id.is_some() && self.inner.requests().get(slot as u32).is_err() {
-                *id = None;
+                if let Some(gone) = id.take() {
+                    forget_interned(&mut self.slot_of_interned, &gone, slot as u32);
+                }
             }
         }
+    }
+
+    /// The live request (slot, generation) that `id` names when it is the very str interned
+    /// for it. Holding that str keeps its address unique, and a slot's interned id is its
+    /// latest request's, so identity settles it; any other str is looked up by its text.
+    fn slot_by_identity(&self, id: Borrowed<'_, '_, PyString>) -> Option<(u32, u32)> {
+        let &slot = self.slot_of_interned.get(&(id.as_ptr() as usize))?;
+        let interned = self.ids.get(slot as usize)?.as_ref()?;
+        if interned.as_ptr() != id.as_ptr() {
+            return None;
+        }
+        let generation = self.inner.requests().slot_of_generation(slot)?;
+        Some((slot, generation))
+    }
+
+    /// The live request (slot, generation) with id `id`.
+    fn slot_by_text(&self, id: &str) -> Option<(u32, u32)> {
+        let slot = self.inner.slot_of(id)?;
+        let generation = self.inner.requests().slot_of_generation(slot)?;
+        Some((slot, generation))
+    }
+
+    /// `update_draft_token_ids` of a dict the one-pass read takes (None for any other).
+    fn install_exact_draft_dict(
+        &mut self,
+        py: Python<'_>,
+        dict: &Bound<'_, PyDict>,
+    ) -> PyResult<Option<usize>> {
+        let k = self.inner.config().num_speculative_tokens;
+        let live = draft_dict::read_exact(dict, k, |id| match self.slot_by_identity(id) {
+            Some(found) => Ok(Some(found)),
+            None => Ok(self.slot_by_text(&draft_dict::key_text(id)?)),
+        })?;
+        match live {
+            Some(live) => self.install_live_drafts(py, &live).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Installs drafts of live requests (the core skips waiting and prefill-chunk ones).
+    fn install_live_drafts(&mut self, py: Python<'_>, live: &LiveDrafts) -> PyResult<usize> {
+        self.inner
+            .update_draft_token_ids_for_slots(&live.slots, &live.tokens, &live.counts)
+            .py(py)
     }
 
     /// The batch's request ids as a tuple: the previous step's tuple when it holds exactly
@@ -247,6 +297,9 @@ impl State {
         let lists = runner_attr(runner, intern!(py, "sampled_token_ids"))?;
         let mut tokens = Vec::new();
         let mut counts = Vec::new();
+        if flat_exact_token_lists(&lists, &mut tokens, &mut counts) {
+            return Ok((tokens, counts));
+        }
         for (i, item) in lists
             .try_iter()
             .map_err(|e| {
@@ -258,6 +311,34 @@ impl State {
         {
             let item = item?;
             let t = token_ids(&item, format_args!("sampled_token_ids[{i}]"))?;
+            counts.push(t.len() as u32);
+            tokens.extend_from_slice(&t);
+        }
+        Ok((tokens, counts))
+    }
+
+    /// The runner's drafts for the next step (one token list per batch entry) as flat tokens
+    /// + counts.
+    fn drafts_from_runner(
+        py: Python<'_>,
+        drafts: &Bound<'_, PyAny>,
+    ) -> PyResult<(Vec<u32>, Vec<u32>)> {
+        let mut tokens = Vec::new();
+        let mut counts = Vec::new();
+        if flat_exact_token_lists(drafts, &mut tokens, &mut counts) {
+            return Ok((tokens, counts));
+        }
+        let not_lists = || {
+            wrong_type(
+                py,
+                "draft_token_ids must be a sequence of token lists (one per request) or None",
+            )
+        };
+        let items = drafts
+            .try_iter()
+            .map_err(|e| unless_fatal(py, e, not_lists))?;
+        for (i, item) in items.enumerate() {
+            let t = token_ids(&item?, format_args!("draft_token_ids[{i}]"))?;
             counts.push(t.len() as u32);
             tokens.extend_from_slice(&t);
         }
@@ -367,32 +448,40 @@ impl State {
     /// One `RequestOutput` per request in the last update, in batch order, then one per request
     /// the scheduler ended on its own (no tokens).
     fn request_outputs(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        let list = PyList::empty(py);
-        for u in &self.update.updates {
-            let ro = PyRequestOutput {
-                request_id: self.id_of(py, u.slot)?,
-                new_tokens: self.update.new_token_ids
-                    [u.tokens_start as usize..u.tokens_end as usize]
-                    .to_vec(),
-                finish_reason: u.finish_reason.map(FinishReason::name),
-                stop_reason: if u.finish_reason.is_some() {
-                    u.stop_token
-                } else {
-                    None
-                },
-            };
-            let ro = Py::new(py, ro)?;
-            // A RequestOutput holds only a str and Rust data, so it can never be part of a
-            // reference cycle; untracking it keeps one object per request per step out of the
-            // garbage collector's young generation.
-            // SAFETY: `ro` is a live object of a GC type; untracking a tracked object is valid.
+        let update = &self.update;
+        let mut outputs = Vec::with_capacity(update.updates.len() + update.ended.len());
+        for u in &update.updates {
+            let ro = Bound::new(
+                py,
+                PyRequestOutput::new(
+                    py,
+                    self.id_of(py, u.slot)?,
+                    &update.new_token_ids[u.tokens_start as usize..u.tokens_end as usize],
+                    u.finish_reason,
+                    u.finish_reason.and(u.stop_token),
+                )?,
+            )?;
+            // A RequestOutput holds only strs, ints, None and Rust data, so it can never be
+            // part of a reference cycle; untracking it keeps one object per request per step out of the
+            // garbage collector's young generation (one reused from the free list is
+            // untracked already).
+            // SAFETY: `ro` is a live object of a GC type; untracking an object is valid.
             unsafe { pyo3::ffi::PyObject_GC_UnTrack(ro.as_ptr().cast()) };
-            list.append(ro)?;
+            outputs.push(ro.into_any());
         }
-        for e in &self.update.ended {
-            list.append(PyRequestOutput::ended(py, e))?;
+        for e in &update.ended {
+            outputs.push(Bound::new(py, PyRequestOutput::ended(py, e)?)?.into_any());
         }
-        Ok(list.unbind())
+        Ok(PyList::new(py, outputs)?.unbind())
+    }
+}
+
+/// Drops `id`'s entry of the identity map if it still names `slot` (one-character ids are
+/// shared strs, so a stale slot's id may be a live request's too).
+fn forget_interned(map: &mut HashMap<usize, u32>, id: &Py<PyString>, slot: u32) {
+    let key = id.as_ptr() as usize;
+    if map.get(&key) == Some(&slot) {
+        map.remove(&key);
     }
 }
 
@@ -431,6 +520,7 @@ impl PyScheduler {
             inner,
             ids: Vec::new(),
             num_interned: 0,
+            slot_of_interned: HashMap::new(),
             step: StepOutput::default(),
             update: UpdateOutput::default(),
             last_req_ids: None,
@@ -543,11 +633,18 @@ impl PyScheduler {
         py: Python<'_>,
         draft_token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
-        let parsed = parse_draft_dict(py, draft_token_ids)?;
+        let dict = draft_dict::as_draft_dict(draft_token_ids)?;
+        if let Some(applied) = self
+            .state
+            .with(py, |st| st.install_exact_draft_dict(py, dict))?
+        {
+            return Ok(applied);
+        }
+        let drafts = draft_dict::read_general(dict)?;
         self.state.with(py, |st| {
-            st.inner
-                .update_draft_token_ids(parsed.iter().map(|(id, t)| (id.as_str(), t.as_slice())))
-                .py(py)
+            let k = st.inner.config().num_speculative_tokens;
+            let live = drafts.resolve(py, k, |id| st.slot_by_text(id))?;
+            st.install_live_drafts(py, &live)
         })
     }
 
@@ -885,95 +982,54 @@ impl PyScheduler {
         State::check_req_ids(py, out, &runner_ids)?;
         let (tokens, counts) = State::sampled_from_runner(py, runner_output)?;
         let drafts = runner_attr(runner_output, intern!(py, "draft_token_ids"))?;
-        let draft_lists: Option<Vec<Vec<u32>>> = if drafts.is_none() {
+        let runner_drafts = if drafts.is_none() {
             None
         } else {
-            let mut v = Vec::new();
-            let not_lists = || {
-                wrong_type(
-                    py,
-                    "draft_token_ids must be a sequence of token lists (one per request) or None",
-                )
-            };
-            let items = drafts
-                .try_iter()
-                .map_err(|e| unless_fatal(py, e, not_lists))?;
-            for (i, item) in items.enumerate() {
-                v.push(token_ids(&item?, format_args!("draft_token_ids[{i}]"))?);
-            }
-            if v.len() != counts.len() {
+            let (draft_tokens, draft_counts) = State::drafts_from_runner(py, &drafts)?;
+            if draft_counts.len() != counts.len() {
                 return Err(invalid(
                     py,
-                    format!("{} draft lists for {} requests", v.len(), counts.len()),
+                    format!(
+                        "{} draft lists for {} requests",
+                        draft_counts.len(),
+                        counts.len()
+                    ),
                 ));
             }
-            Some(v)
-        };
-        let draft_ids: Vec<String> = match draft_lists {
-            Some(_) => out
-                .req_ids
-                .bind(py)
-                .iter()
-                .map(|id| id.extract::<String>())
-                .collect::<PyResult<_>>()?,
-            None => Vec::new(),
+            Some((draft_tokens, draft_counts))
         };
         self.state.with(py, |st| {
             let k = st.inner.config().num_speculative_tokens;
-            if let Some(lists) = &draft_lists {
+            if let Some((_, draft_counts)) = &runner_drafts {
                 // Checked before the output is applied, so that a refusal changes nothing.
-                if let Some(i) = lists.iter().position(|d| d.len() > k) {
+                if let Some(i) = draft_counts.iter().position(|&c| c as usize > k) {
                     return Err(invalid(
                         py,
                         format!(
                             "draft_token_ids[{i}] has {} tokens but at most K = {k} can be \
                              verified",
-                            lists[i].len()
+                            draft_counts[i]
                         ),
                     ));
                 }
             }
             st.apply_tokens(py, out, &tokens, &counts)?;
             let result = build(st)?;
-            if let Some(lists) = &draft_lists {
-                // Cannot fail: every list was checked against K above.
+            if let Some((draft_tokens, draft_counts)) = runner_drafts
+                .as_ref()
+                .filter(|(_, draft_counts)| !draft_counts.is_empty())
+            {
+                // Cannot fail: one list per batch entry (an update that samples for a step
+                // takes one sample per entry), each checked against K above. Entries that
+                // finished in the update are gone from their slots, so they take none.
                 st.inner
-                    .update_draft_token_ids(
-                        draft_ids
-                            .iter()
-                            .map(String::as_str)
-                            .zip(lists.iter().map(Vec::as_slice)),
-                    )
+                    .update_draft_token_ids_for_slots(&out.parts.slots, draft_tokens, draft_counts)
                     .py(py)?;
             }
             st.forget_finished();
             Ok(result)
         })
     }
-}
-
-/// Parses `{req_id: [token, ...]}` (the items as they were when parsing began).
-fn parse_draft_dict(
-    py: Python<'_>,
-    drafts: &Bound<'_, PyAny>,
-) -> PyResult<Vec<(String, Vec<u32>)>> {
-    let dict = drafts
-        .cast::<PyDict>()
-        .map_err(|_| wrong_type(py, "draft token ids must be a dict[str, list[int]]"))?;
-    let mut parsed: Vec<(String, Vec<u32>)> = Vec::with_capacity(dict.len());
-    // A snapshot of the items: a token's `__index__` may mutate the dict while it is parsed,
-    // which would make a live iterator panic.
-    for item in dict.items().iter() {
-        let (k, v) = item.extract::<(Bound<'_, PyAny>, Bound<'_, PyAny>)>()?;
-        let id: String = k.extract().map_err(|e| {
-            unless_fatal(py, e, || {
-                wrong_type(py, "draft token ids must be keyed by request id (str)")
-            })
-        })?;
-        let tokens = token_ids(&v, format_args!("draft_token_ids[{id:?}]"))?;
-        parsed.push((id, tokens));
-    }
-    Ok(parsed)
 }
 
 /// Arms a core fault point to fail once: `kind` is "error" (an internal error) or "panic".
