@@ -195,6 +195,7 @@ class _VllmBridge:
         scheduler_output: Any,
         cached_request_data: Any,
         engine_core_output: Any,
+        finish_reason: Any,
         *,
         v2: bool,
         async_scheduling: bool,
@@ -213,6 +214,7 @@ class _VllmBridge:
     ) -> tuple[
         list[Any],
         list[tuple[int, str, list[int], Optional[str], Optional[int]]],
+        list[tuple[str, str, Optional[int]]],
         Optional[list[str]],
     ]: ...
     def update_draft_token_ids(self, draft_token_ids: Any) -> int: ...

@@ -50,21 +50,23 @@ def _step_with_drafts(s: Any, drafts: dict[str, list[int]]) -> Any:
 def test_a_held_step_keeps_its_dicts_when_the_next_one_is_the_same(
     make_scheduler: Any, offline: Any
 ) -> None:
-    """Steady decode steps share the batch: the second step's dicts are copies, so changing
-    what a caller holds changes no other step."""
+    """Steady decode steps share the batch: from the third such step on, the dict is a copy of
+    a private one, so changing what a caller holds changes no other step."""
     s = _decode_scheduler(make_scheduler, offline)
     ids = ["r0", "r1", "r2"]
-    first = _step_with_drafts(s, {r: [50, 51, 52] for r in ids})
-    held = dict(first.num_scheduled_tokens)
-    first.num_scheduled_tokens["intruder"] = 99  # the caller's own dict
-    first.scheduled_cached_reqs.req_ids.append("intruder")
-    second = _step_with_drafts(s, {r: [53, 54, 55] for r in ids})
-    assert second.num_scheduled_tokens == held == {r: K + 1 for r in ids}
-    assert second.num_scheduled_tokens is not first.num_scheduled_tokens
-    assert second.scheduled_cached_reqs.req_ids == ids
-    second.num_scheduled_tokens.clear()
-    third = s.schedule()
-    assert third.num_scheduled_tokens == {r: 1 for r in ids}  # no drafts installed
+    steady = {r: K + 1 for r in ids}
+    held = []
+    for step in range(4):
+        out = _step_with_drafts(s, {r: [50 + step, 51, 52] for r in ids})
+        assert out.num_scheduled_tokens == steady, step
+        assert out.scheduled_cached_reqs.req_ids == ids, step
+        assert all(out.num_scheduled_tokens is not h.num_scheduled_tokens for h in held)
+        out.num_scheduled_tokens["intruder"] = 99  # the caller's own dict
+        out.num_scheduled_tokens["r0"] = 0
+        out.scheduled_cached_reqs.req_ids.append("intruder")
+        held.append(out)
+    s.update_draft_token_ids(DraftTokenIds(ids, [[60, 61, 62]] * 3))
+    assert s.schedule().num_scheduled_tokens == steady
 
 
 def test_the_runner_draft_list_is_handed_on_only_while_the_core_holds_it(

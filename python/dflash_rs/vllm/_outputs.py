@@ -58,6 +58,7 @@ class OutputBuilder:
             SchedulerOutput,
             CachedRequestData,
             EngineCoreOutput,
+            FinishReason,
             v2=use_v2_model_runner,
             async_scheduling=async_scheduling,
         )
@@ -136,13 +137,20 @@ class OutputBuilder:
         self.num_finished = 0
         book = self.book
         single_client = book.num_other_clients == 0
-        outputs, slow, ids = self.bridge.engine_outputs(
+        outputs, slow, finished, ids = self.bridge.engine_outputs(
             out,
             runner_output,
             book.slow_path,
             all_slow=not single_client or bool(runner_output.num_nans_in_logits),
             want_ids=want_ids,
         )
+        # Final outputs built in Rust (nothing but the finish to report): bookkeeping only.
+        finish_map = self.finish_map
+        for rid, reason, stop in finished:
+            request = book.finished(rid, finish_map[reason][0], stop)
+            if finished_dict is not None and request is not None:
+                finished_dict.setdefault(request.client_index, set()).add(rid)
+        self.num_finished = len(finished)
         if single_client:
             for pos, rid, tokens, reason, stop in slow:
                 finish = None if reason is None else (reason, stop)

@@ -9,7 +9,6 @@ mod guarded;
 mod hash_config;
 mod kv_cache_manager;
 mod outputs;
-mod py_lists;
 mod scheduler;
 mod scheduler_args;
 mod vllm_bridge;

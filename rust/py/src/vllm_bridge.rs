@@ -16,12 +16,11 @@ use pyo3::PyTraverseError;
 
 use dflash_core::scheduler::PLACEHOLDER_TOKEN;
 
-use crate::convert::token_ids;
+use crate::convert::{push_exact_token_ids, token_ids};
 use crate::errors::{invalid, unless_fatal, IntoPyResult};
 use crate::fast_call::call2;
 use crate::guarded::Guarded;
 use crate::outputs::PySchedulerOutput;
-use crate::py_lists::{item_is, read_tokens};
 use crate::scheduler::{PyScheduler, State};
 
 /// The vLLM classes the bridge instantiates.
@@ -29,6 +28,9 @@ struct VllmTypes {
     scheduler_output: Py<PyAny>,
     cached_request_data: Py<PyAny>,
     engine_core_output: Py<PyAny>,
+    /// vLLM's `FinishReason` per core reason, in `FinishReason`'s order (stop, length, abort,
+    /// error).
+    finish_reasons: [Py<PyAny>; 4],
 }
 
 /// Per-slot memory of the bridge, keyed by the slot's generation so that a reused slot never
@@ -84,11 +86,12 @@ impl IntCache {
     }
 }
 
-/// A private `num_scheduled_tokens` dict and what it was built from.
+/// The latest step's batch and counts, with a private `num_scheduled_tokens` dict of them once
+/// two steps in a row had them.
 struct NumScheduledTemplate {
     slots: Vec<(u32, u32)>,
     counts: Vec<i32>,
-    dict: Py<PyDict>,
+    dict: Option<Py<PyDict>>,
 }
 
 /// Builds and reads vLLM's per-step objects for `DFlashRsScheduler` (private to
@@ -120,10 +123,12 @@ type StatsCounters = (
     Vec<u64>,
 );
 
-/// What `engine_outputs` returns: the outputs, the slow entries, and the updated ids.
+/// What `engine_outputs` returns: the outputs, the slow entries, the requests whose final
+/// output was built here `(request id, finish reason, stop reason)`, and the updated ids.
 type EngineOutputs<'py> = (
     Bound<'py, PyList>,
     Vec<SlowEntry>,
+    Vec<(Py<PyString>, &'static str, Option<u32>)>,
     Option<Bound<'py, PyList>>,
 );
 
@@ -140,26 +145,36 @@ type SlowEntry = (
 #[pymethods]
 impl PyVllmBridge {
     #[new]
-    #[pyo3(signature = (scheduler, scheduler_output, cached_request_data, engine_core_output, *, v2, async_scheduling))]
+    #[pyo3(signature = (scheduler, scheduler_output, cached_request_data, engine_core_output, finish_reason, *, v2, async_scheduling))]
     fn new(
         scheduler: Py<PyScheduler>,
         scheduler_output: Py<PyAny>,
         cached_request_data: Py<PyAny>,
         engine_core_output: Py<PyAny>,
+        finish_reason: &Bound<'_, PyAny>,
         v2: bool,
         async_scheduling: bool,
-    ) -> Self {
-        Self {
+    ) -> PyResult<Self> {
+        let reason =
+            |name: &str| -> PyResult<Py<PyAny>> { Ok(finish_reason.getattr(name)?.unbind()) };
+        let finish_reasons = [
+            reason("STOP")?,
+            reason("LENGTH")?,
+            reason("ABORT")?,
+            reason("ERROR")?,
+        ];
+        Ok(Self {
             scheduler,
             types: VllmTypes {
                 scheduler_output,
                 cached_request_data,
                 engine_core_output,
+                finish_reasons,
             },
             v2,
             async_scheduling,
             state: Guarded::new(BridgeState::default(), "vLLM bridge"),
-        }
+        })
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
@@ -167,6 +182,9 @@ impl PyVllmBridge {
         visit.call(&self.types.scheduler_output)?;
         visit.call(&self.types.cached_request_data)?;
         visit.call(&self.types.engine_core_output)?;
+        for r in &self.types.finish_reasons {
+            visit.call(r)?;
+        }
         self.state
             .try_peek(|s| s.last_step.as_ref().map_or(Ok(()), |step| visit.call(step)))
             .unwrap_or(Ok(()))
@@ -235,6 +253,7 @@ impl PyVllmBridge {
             st.apply_tokens(py, out, &tokens, &counts)?;
             let outputs = PyList::empty(py);
             let mut slow_entries = Vec::new();
+            let mut finished = Vec::new();
             let ids = want_ids.then(|| PyList::empty(py));
             let slots = &out.parts.slots;
             let mut cursor = 0usize;
@@ -266,15 +285,24 @@ impl PyVllmBridge {
                 if let Some(ids) = &ids {
                     ids.append(&rid)?;
                 }
-                let fast = u.finish_reason.is_none()
-                    && !all_slow
-                    && !(check_slow && slow.contains(&rid)?);
-                if fast {
+                let slow_one = all_slow || (check_slow && slow.contains(&rid)?);
+                let fast = !slow_one;
+                if fast && u.finish_reason.is_none() {
                     outputs.append(call2(
                         engine_core_output,
                         rid.bind(py),
                         new_tokens.as_any(),
                     )?)?;
+                } else if let (true, Some(reason)) = (fast, u.finish_reason) {
+                    // A final output that carries nothing else (no events, stats, logprobs).
+                    let stop = u.stop_token;
+                    let kwargs = PyDict::new(py);
+                    let vllm_reason = &self.types.finish_reasons[reason as usize];
+                    kwargs.set_item(intern!(py, "finish_reason"), vllm_reason)?;
+                    kwargs.set_item(intern!(py, "stop_reason"), stop)?;
+                    let args = (rid.clone_ref(py), new_tokens);
+                    outputs.append(engine_core_output.call(args, Some(&kwargs))?)?;
+                    finished.push((rid, reason.name(), stop));
                 } else {
                     slow_entries.push((
                         outputs.len(),
@@ -287,7 +315,7 @@ impl PyVllmBridge {
                 }
             }
             st.forget_finished();
-            Ok((outputs, slow_entries, ids))
+            Ok((outputs, slow_entries, finished, ids))
         })
     }
 
@@ -554,8 +582,9 @@ impl PyVllmBridge {
 }
 
 impl BridgeState {
-    /// `num_scheduled_tokens` of a step: a copy of the previous step's when the batch and the
-    /// counts are the same, else a new dict (kept, privately, for the next step).
+    /// `num_scheduled_tokens` of a step: a copy of a private one when the batch and the counts
+    /// are those of the previous steps (a steady decode), else a new dict. The private copy is
+    /// made on the second step of a run of equal steps, so changing batches pay no copy.
     fn num_scheduled_tokens<'py>(
         &mut self,
         py: Python<'py>,
@@ -563,9 +592,13 @@ impl BridgeState {
         counts: &[i32],
         req_ids: &Bound<'py, PyTuple>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        if let Some(t) = &self.num_scheduled {
-            if t.slots == slots && t.counts == counts {
-                return t.dict.bind(py).copy();
+        let same = self
+            .num_scheduled
+            .as_ref()
+            .is_some_and(|t| t.slots == slots && t.counts == counts);
+        if same {
+            if let Some(dict) = self.num_scheduled.as_ref().and_then(|t| t.dict.as_ref()) {
+                return dict.bind(py).copy();
             }
         }
         let dict = PyDict::new(py);
@@ -575,7 +608,11 @@ impl BridgeState {
         self.num_scheduled = Some(NumScheduledTemplate {
             slots: slots.to_vec(),
             counts: counts.to_vec(),
-            dict: dict.copy()?.unbind(),
+            dict: if same {
+                Some(dict.copy()?.unbind())
+            } else {
+                None
+            },
         });
         Ok(dict)
     }
@@ -669,6 +706,21 @@ fn same_ids(ids: &Bound<'_, PyAny>, expected: &Bound<'_, PyTuple>) -> PyResult<b
     Ok(true)
 }
 
+/// Whether item `i` of the exact list `list` is the very object `obj` (a pointer compare, no
+/// reference counting). False when `i` is out of range or `list` is not an exact list.
+fn item_is(list: &Bound<'_, PyAny>, i: usize, obj: &Bound<'_, PyAny>) -> bool {
+    let ptr = list.as_ptr();
+    // SAFETY: the GIL is held; the item is only compared, never dereferenced.
+    unsafe {
+        pyo3::ffi::PyList_CheckExact(ptr) != 0
+            && i < pyo3::ffi::PyList_Size(ptr) as usize
+            && std::ptr::eq(
+                pyo3::ffi::PyList_GetItem(ptr, i as pyo3::ffi::Py_ssize_t),
+                obj.as_ptr(),
+            )
+    }
+}
+
 /// Each batch entry's sampled tokens (None: none sampled), from a vLLM `ModelRunnerOutput`
 /// listed in the step's order or in any order (matched through `req_id_to_index`).
 fn sampled_lists<'py>(
@@ -723,8 +775,9 @@ fn extend_tokens(
     i: usize,
     what: &str,
 ) -> PyResult<u32> {
-    if let Some(n) = read_tokens(list, tokens) {
-        return Ok(n);
+    let before = tokens.len();
+    if push_exact_token_ids(list.as_borrowed(), tokens) {
+        return Ok((tokens.len() - before) as u32);
     }
     let parsed = token_ids(list, format_args!("{what}[{i}]"))?;
     tokens.extend_from_slice(&parsed);
