@@ -35,7 +35,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<outputs::PyCachedRequestData>()?;
     m.add_class::<outputs::PyRequestOutput>()?;
     m.add_class::<outputs::PyUpdateResult>()?;
-    m.add_class::<vllm_bridge::PyVllmBridge>()?;
+    // Private to `dflash_rs.vllm`: set as an attribute so it stays out of `__all__`.
+    m.setattr(
+        "_VllmBridge",
+        m.py().get_type::<vllm_bridge::PyVllmBridge>(),
+    )?;
     // Test-only and private: set as an attribute so it stays out of `__all__`.
     #[cfg(feature = "fault-injection")]
     m.setattr(
