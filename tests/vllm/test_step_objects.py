@@ -15,7 +15,7 @@ pytest.importorskip(
 
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
-from dflash_rs.errors import InvalidArgumentError
+from dflash_rs.errors import ArgumentTypeError, InvalidArgumentError
 
 K = 3
 
@@ -132,4 +132,27 @@ def test_runner_output_in_another_order_and_bad_tokens(make_scheduler: Any, offl
     bad = _sampled(out, lambda rid: ["x"])
     with pytest.raises(InvalidArgumentError, match=r"sampled_token_ids\[0\]"):
         s.update_from_output(out, bad)
+    s.core.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("ids", "drafts", "error", "match"),
+    [
+        (["r0", "r1"], [[50, 51, 52]], InvalidArgumentError, "2 req_ids but 1 draft lists"),
+        (["r0", "r1"], [[50, 51, 52], ["a", 1, 2]], ArgumentTypeError, r"draft_token_ids\[1\]"),
+        (["r0", "r1"], [[50, 51, 52], [1, 2, 3, 4]], InvalidArgumentError, "K = 3"),
+        (["r1", "r0"], [[50, 51, 52], [1, 2, 3, 4]], InvalidArgumentError, "K = 3"),
+        (["r0", "r1"], [[50, 51, 52], [-1, 2, 3]], InvalidArgumentError, r"\[0, 2\*\*31 - 1\]"),
+    ],
+)
+def test_bad_draft_token_ids_raise_typed_errors_and_change_nothing(
+    make_scheduler: Any, offline: Any, ids: list[str], drafts: Any, error: type, match: str
+) -> None:
+    """In the step's order (the one-pass path) and in any other (by id)."""
+    s = _decode_scheduler(make_scheduler, offline, n=2)
+    s.update_draft_token_ids(DraftTokenIds(["r0", "r1"], [[60, 61, 62], [70, 71, 72]]))
+    with pytest.raises(error, match=match):
+        s.update_draft_token_ids(DraftTokenIds(ids, drafts))
+    out = s.schedule()  # the drafts installed before the refusal, untouched
+    assert out.scheduled_spec_decode_tokens == {"r0": [60, 61, 62], "r1": [70, 71, 72]}
     s.core.check_invariants()
