@@ -36,12 +36,7 @@ class OutputBuilder:
         self.book = book
         self.num_spec_tokens = num_spec_tokens
         self.v2 = use_v2_model_runner
-        #: Steps overlap: scheduled drafts are mostly placeholders, and running requests count
-        #: the outputs still in flight (``num_output_placeholders``).
-        self.async_scheduling = async_scheduling
         self.NewRequestData = NewRequestData
-        self.CachedRequestData = CachedRequestData
-        self.SchedulerOutput = SchedulerOutput
         self.EngineCoreOutput = EngineCoreOutput
         self.EngineCoreOutputs = EngineCoreOutputs
         self.FinishReason = FinishReason

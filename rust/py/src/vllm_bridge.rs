@@ -487,13 +487,13 @@ impl PyVllmBridge {
             };
             spec.set_item(&rid, value)?;
         }
-        // The cached requests (running, and resumed ones for V1), in batch order.
+        // The cached requests (running, and resumed ones for V1), in batch order. When that is
+        // the whole batch (a decode step), their ids are the batch's tuple as a list.
         let cached: Vec<usize> = (0..n)
             .filter(|&i| parts.kinds[i] == 0 || (parts.kinds[i] == 2 && !self.v2))
             .collect();
-        let all_running = cached.len() == n && parts.kinds.iter().all(|&k| k == 0);
-        // A batch of running requests only (a decode step): the cached ids are the batch.
-        let cached_ids = if all_running {
+        let all_cached = cached.len() == n;
+        let cached_ids = if all_cached {
             req_ids.to_list()
         } else {
             PyList::new(
