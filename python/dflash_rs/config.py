@@ -104,7 +104,12 @@ class SchedulerConfig:
     scheduled request on top of its tokens (vLLM's ``max_num_new_slots_for_drafting``: K for
     DFlash in vLLM 0.32, 0 in 0.33); 0 by default. ``drop_last_hit_block=True`` gives back the
     last block of every prefix-cache hit so its tokens are recomputed (vLLM's EAGLE block drop,
-    its default for EAGLE-style drafters, and for DFlash in 0.32). ``vllm_semantics`` names the
+    its default for EAGLE-style drafters, and for DFlash in 0.32). ``hash_lookahead_tokens=L``
+    makes each block's hash also cover the ``L`` tokens after it, as vLLM 0.33 does by default
+    for EAGLE, EAGLE3 and MTP with prefix caching (``num_hash_lookahead_tokens``): a block is
+    hashed, cached and reusable only once those tokens exist, and a hit needs the same next
+    tokens, so the drafter's KV at the block's last position is reused only where it is right.
+    It replaces the drop (the two exclude each other); 0 by default. ``vllm_semantics`` names the
     vLLM release series (``"0.32"`` or ``"0.33"``) whose scheduler is followed where the two
     differ: when blocks are registered as outputs arrive, a stop's computed-token claim, and
     priority self-preemption.
@@ -142,6 +147,7 @@ class SchedulerConfig:
     async_scheduling: bool = False
     draft_slots_per_request: int = 0
     drop_last_hit_block: bool = False
+    hash_lookahead_tokens: int = 0
     vllm_semantics: str = "0.33"
     pool_must_hold_max_model_len: bool = True
     refuse_idle_steps: bool = True
@@ -154,6 +160,7 @@ class SchedulerConfig:
         _check_int(self, "max_num_batched_tokens", 1)
         _check_int(self, "long_prefill_token_threshold", 0)
         _check_int(self, "draft_slots_per_request", 0)
+        _check_int(self, "hash_lookahead_tokens", 0)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_bool("verify_prefix_hits", self.verify_prefix_hits)
@@ -162,6 +169,15 @@ class SchedulerConfig:
         _check_bool("drop_last_hit_block", self.drop_last_hit_block)
         _check_bool("pool_must_hold_max_model_len", self.pool_must_hold_max_model_len)
         _check_bool("refuse_idle_steps", self.refuse_idle_steps)
+        if self.hash_lookahead_tokens > 64:
+            raise InvalidArgumentError(
+                f"hash_lookahead_tokens must be at most 64, got {self.hash_lookahead_tokens}"
+            )
+        if self.hash_lookahead_tokens and self.drop_last_hit_block:
+            raise InvalidArgumentError(
+                "hash_lookahead_tokens and drop_last_hit_block exclude each other: lookahead "
+                "hashes make the last hit block reusable, the drop recomputes it"
+            )
         if self.vllm_semantics not in _VLLM_SEMANTICS:
             raise InvalidArgumentError(
                 f"vllm_semantics must be '0.32' or '0.33', got {self.vllm_semantics!r}"

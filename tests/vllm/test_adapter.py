@@ -260,3 +260,46 @@ def test_reset_with_a_step_in_flight_drops_its_output(make_scheduler: Any, offli
     outs = s.update_from_output(resumed, _runner(resumed, 43))
     assert [o.new_token_ids for o in outs[0].outputs] == [[43]]
     assert s.core.all_token_ids("a") == [20] * 20 + [40, 43]
+
+
+@pytest.mark.parametrize(
+    ("method", "speculative", "caching", "lookahead_033", "drop_033", "drop_032"),
+    [
+        # vLLM's defaults: 0.33 hashes each block with the next token, 0.32 drops the last hit.
+        ("eagle", {}, True, 1, False, True),
+        ("eagle3", {}, True, 1, False, True),
+        ("eagle", {"disable_lookahead_block_hashes": True}, True, 0, True, True),
+        ("eagle", {"disable_eagle_block_drop": True}, True, 0, False, False),
+        ("eagle", {}, False, 0, True, True),  # no prefix caching: no lookahead hashes
+        ("dflash", {}, True, 0, False, True),  # 0.33 no longer drops for DFlash
+        ("none", {}, True, 0, False, False),
+    ],
+)
+def test_prefix_cache_rules_of_eagle_style_drafters(
+    offline: Any,
+    method: str,
+    speculative: dict[str, Any],
+    caching: bool,
+    lookahead_033: int,
+    drop_033: bool,
+    drop_032: bool,
+) -> None:
+    """The core gets vLLM's rule for reusing a drafter's KV on a prefix hit: lookahead hashes
+    (``hash_lookahead_tokens``), the last-block drop, or neither, exactly where the installed
+    vLLM uses them."""
+    from dflash_rs.vllm._config import translate_config
+
+    on_033 = installed().has_hash_lookahead_tokens
+    if "disable_lookahead_block_hashes" in speculative and not on_033:
+        pytest.skip("vLLM 0.32 has no lookahead block hashes to disable")
+    cfg, kv = offline.configs(
+        num_blocks=64,
+        method=method,
+        enable_prefix_caching=caching,
+        speculative=speculative or None,
+    )
+    config = translate_config(cfg, kv, 16, 16).config
+    assert config.hash_lookahead_tokens == (lookahead_033 if on_033 else 0)
+    assert config.drop_last_hit_block == (drop_033 if on_033 else drop_032)
+    if on_033:
+        assert config.hash_lookahead_tokens == cfg.num_hash_lookahead_tokens

@@ -13,9 +13,11 @@ seed, step and field.
 
 Adaptations for intended differences (docs/ARCHITECTURE.md, "vLLM drop-in"):
 
-- EAGLE runs with vLLM's ``disable_eagle_block_drop=True`` (the drop-in refuses EAGLE without
-  it). By default vLLM 0.33 hashes each block together with the token after it for EAGLE-style
-  drafters (``num_hash_lookahead_tokens = 1``); dflash-rs hashes blocks alone for every method.
+- EAGLE and EAGLE3 run with vLLM's defaults (on 0.33, lookahead block hashes: each block hashed
+  with the token after it; on 0.32, the last hit block dropped), and EAGLE also with
+  ``disable_eagle_block_drop=True`` ("eagle-nodrop"). Cases with a 32-token shared prefix
+  ("-prefix32") make prompts diverge right after a block boundary, where a lookahead hash and a
+  plain one give different hits.
 - Prompts never reach ``max_model_len`` and the pool always holds the longest request, so the
   two intended differences in those corners (prefill at the context limit, a request the pool
   can never hold) do not arise; arrival times are distinct, so priority ties do not either.
@@ -46,7 +48,11 @@ from parity import Divergence, Lockstep, TraceParams
 
 from dflash_rs.vllm._compat import installed
 
-EAGLE = {"speculative": {"disable_eagle_block_drop": True}}
+#: The drafter each method name runs, and the speculative-config keys it adds to vLLM's
+#: defaults.
+_DRAFTERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "eagle-nodrop": ("eagle", {"speculative": {"disable_eagle_block_drop": True}}),
+}
 
 
 class Case(NamedTuple):
@@ -67,6 +73,8 @@ class Case(NamedTuple):
     #: "+"-joined engine calls between steps at seeded steps: "reset" (reset_prefix_cache,
     #: mostly with reset_running_requests=True), "new" / "all" (toggle PAUSED_NEW / PAUSED_ALL).
     events: str = ""
+    #: Tokens of the prompts' shared prefix (None: the trace default, 40).
+    prefix_len: Optional[int] = None
 
     @property
     def id(self) -> str:
@@ -76,7 +84,11 @@ class Case(NamedTuple):
         mode = f"-async{self.in_flight}" if self.in_flight else ""
         pool = f"-pool{self.num_blocks}" if self.num_blocks else ""
         events = f"-{self.events}" if self.events else ""
-        return f"{self.method}{k}-{self.policy}{v1}{mode}{budget}{pool}{events}-seed{self.seed}"
+        prefix = f"-prefix{self.prefix_len}" if self.prefix_len else ""
+        return (
+            f"{self.method}{k}-{self.policy}{v1}{mode}{budget}{pool}{events}{prefix}"
+            f"-seed{self.seed}"
+        )
 
 
 _SMALL_POOL = (("none", 0), ("ngram", 3), ("dflash", 3))
@@ -86,6 +98,9 @@ _CASES: list[Case] = [
     *(Case("none", 0, seed=s) for s in range(6)),
     *(Case("ngram", 3, seed=s) for s in range(6)),
     *(Case("eagle", 3, seed=s) for s in range(6)),
+    *(Case("eagle", 3, seed=s, prefix_len=32) for s in range(4)),
+    *(Case("eagle3", 3, seed=s, prefix_len=32) for s in range(2)),
+    *(Case("eagle-nodrop", 3, seed=s) for s in range(4)),
     *(Case("dflash", 3, seed=s) for s in range(6)),
     *(Case("dflash", 8, seed=s) for s in range(4)),
     *(Case("dflash", 8, seed=s, budget=64) for s in range(2)),
@@ -101,6 +116,8 @@ _ASYNC_CASES: list[Case] = [
     *(Case("none", 0, seed=s, in_flight=2) for s in range(3)),
     *(Case("ngram", 3, seed=s, in_flight=2) for s in range(3)),
     *(Case("eagle", 3, seed=s, in_flight=2) for s in range(3)),
+    *(Case("eagle", 3, seed=s, in_flight=2, prefix_len=32) for s in range(2)),
+    *(Case("eagle-nodrop", 3, seed=s, in_flight=2) for s in range(2)),
     *(Case("dflash", 3, seed=s, in_flight=2) for s in range(4)),
     *(Case("dflash", 8, seed=s, in_flight=2) for s in range(2)),
     Case("dflash", 8, seed=0, budget=64, in_flight=2),
@@ -137,6 +154,8 @@ _EVENT_CASES: list[Case] = [
     ),
     *(Case(m, k, seed=4, in_flight=2, events=e) for m, k in _SMALL_POOL for e in ("new", "all")),
     *(Case(m, k, seed=4, in_flight=i, events="reset") for m, k in (("eagle", 3),) for i in (0, 2)),
+    Case("eagle", 3, seed=1, in_flight=2, events="reset+new", prefix_len=32),
+    Case("eagle-nodrop", 3, seed=0, in_flight=2, events="reset+new"),
 ]
 
 #: Cases that diverge today: first diverging step and field, and the known divergences that
@@ -146,7 +165,10 @@ DIVERGING: dict[Case, tuple[int, str, tuple[str, ...]]] = {}
 
 
 def _params(case: Case, emulate: tuple[str, ...] = ()) -> TraceParams:
-    extra: dict[str, Any] = {"extra": EAGLE} if case.method == "eagle" else {}
+    method, vllm_extra = _DRAFTERS.get(case.method, (case.method, {}))
+    extra: dict[str, Any] = {"extra": vllm_extra} if vllm_extra else {}
+    if case.prefix_len:
+        extra["prefix_len"] = case.prefix_len
     budget = case.budget or (96 if case.k == 8 else None)
     if budget:
         extra["max_num_batched_tokens"] = budget
@@ -165,7 +187,7 @@ def _params(case: Case, emulate: tuple[str, ...] = ()) -> TraceParams:
         extra.update(pause_prob=0.06, pause_states=pauses)
     return TraceParams(
         seed=case.seed,
-        method=case.method,
+        method=method,
         k=case.k or 3,
         policy=case.policy,
         v1_runner=case.v1_runner,

@@ -64,16 +64,6 @@ def _full(block_size: int = 16) -> Any:
 
 # (vLLM config keyword arguments of OfflineVllm.configs, words the error must contain)
 REAL_CONFIGS = [
-    # vLLM 0.33 hashes blocks with the token after them for EAGLE-style drafters by default;
-    # 0.32 has no such hashes (its default, the last-block drop, is supported).
-    *(
-        [
-            ({"method": "eagle"}, "disable_lookahead_block_hashes"),
-            ({"method": "eagle3"}, "disable_lookahead_block_hashes"),
-        ]
-        if installed().has_hash_lookahead_tokens
-        else []
-    ),
     ({"scheduler": {"watermark": 0.1}}, "watermark"),
     ({"scheduler": {"scheduler_reserve_full_isl": False}}, "full-sequence"),
     ({"scheduler": {"prefill_schedule_interval": 2}}, "prefill_schedule_interval"),

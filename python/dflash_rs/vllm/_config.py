@@ -136,22 +136,19 @@ def _speculative(vllm_config: Any) -> Optional[SpeculativeConfig]:
         raise _refuse(
             "multi-module MTP (prefill lookahead > 1)", "use num_speculative_tokens=1 with MTP"
         )
-    if installed().num_hash_lookahead_tokens(vllm_config):
-        raise _refuse(
-            f"vLLM 0.33's lookahead block hashes for {spec.method!r} (each block hashed with "
-            "the token after it); dflash-rs hashes blocks alone and can drop the last hit block "
-            "instead, as vLLM does without them",
-            'add "disable_lookahead_block_hashes": true (or "disable_eagle_block_drop": true) '
-            "to --speculative-config",
-        )
     return SpeculativeConfig(method, spec.num_speculative_tokens)
 
 
 def _drops_last_hit_block(vllm_config: Any) -> bool:
     """vLLM's EAGLE block drop: the last block of every prefix-cache hit is recomputed (its
-    default for EAGLE/EAGLE3/MTP, and for DFlash in 0.32, unless disable_eagle_block_drop)."""
+    default for EAGLE/EAGLE3/MTP without lookahead hashes, and for DFlash in 0.32, unless
+    disable_eagle_block_drop)."""
     spec = vllm_config.speculative_config
-    return spec is not None and bool(spec.use_eagle_block_drop())
+    return (
+        spec is not None
+        and bool(spec.use_eagle_block_drop())
+        and not installed().num_hash_lookahead_tokens(vllm_config)
+    )
 
 
 def _check_engine(vllm_config: Any) -> None:
@@ -285,6 +282,9 @@ def translate_config(
         # vLLM's AsyncScheduler semantics (output placeholders) when the engine overlaps steps.
         async_scheduling=bool(sched.async_scheduling),
         drop_last_hit_block=_drops_last_hit_block(vllm_config),
+        # vLLM 0.33's default for EAGLE-style drafters with prefix caching: each block's hash
+        # also covers the token after it (replacing the drop).
+        hash_lookahead_tokens=installed().num_hash_lookahead_tokens(vllm_config),
         # vLLM's Scheduler accepts a pool smaller than one max_model_len request (its engine
         # too, with num_gpu_blocks_override); such a request is ended with an error instead.
         pool_must_hold_max_model_len=False,

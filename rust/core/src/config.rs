@@ -57,6 +57,12 @@ pub struct SchedulerConfig {
     /// (vLLM's EAGLE block drop, its default for EAGLE/EAGLE3/MTP, and for DFlash in 0.32).
     /// Off by default.
     pub drop_last_hit_block: bool,
+    /// Tokens after each block that its hash also covers (vLLM 0.33's lookahead block hashes,
+    /// its default for EAGLE/EAGLE3/MTP with prefix caching: a drafter's KV at a block's last
+    /// position depends on the next token, so a block is reusable only after the same next
+    /// token). A block is hashed, and so cached, once those tokens exist. Replaces the last
+    /// block drop. 0 (the default) hashes each block alone.
+    pub hash_lookahead_tokens: usize,
     /// The vLLM release series followed where their schedulers differ (0.33 by default).
     pub vllm_semantics: VllmSemantics,
     /// Refuse a pool that cannot hold one `max_model_len` request (default), as vLLM's engine
@@ -101,6 +107,7 @@ impl SchedulerConfig {
             async_scheduling: false,
             draft_slots_per_request: 0,
             drop_last_hit_block: false,
+            hash_lookahead_tokens: 0,
             vllm_semantics: VllmSemantics::V0_33,
             pool_must_hold_max_model_len: true,
             refuse_idle_steps: true,
@@ -212,6 +219,18 @@ impl SchedulerConfig {
             return Err(invalid!(
                 "num_speculative_tokens {} is above 64",
                 self.num_speculative_tokens
+            ));
+        }
+        if self.hash_lookahead_tokens > 64 {
+            return Err(invalid!(
+                "hash_lookahead_tokens {} is above 64",
+                self.hash_lookahead_tokens
+            ));
+        }
+        if self.hash_lookahead_tokens > 0 && self.drop_last_hit_block {
+            return Err(invalid!(
+                "hash_lookahead_tokens and drop_last_hit_block exclude each other: lookahead \
+                 hashes make the last hit block reusable, the drop recomputes it"
             ));
         }
         Ok(())

@@ -70,6 +70,8 @@ pub struct ExtraKeys {
 
 const TAG_LORA: u8 = 1;
 const TAG_SALT: u8 = 2;
+/// The tokens after a block that its hash also covers (see [`BlockHasher::with_lookahead`]).
+const TAG_LOOKAHEAD: u8 = 3;
 
 /// Computes chained block hashes with one algorithm and root.
 #[derive(Debug, Clone)]
@@ -77,6 +79,7 @@ pub struct BlockHasher {
     algo: HashAlgo,
     root: BlockHash,
     block_size: usize,
+    lookahead: usize,
 }
 
 impl BlockHasher {
@@ -90,7 +93,27 @@ impl BlockHasher {
             algo,
             root,
             block_size,
+            lookahead: 0,
         }
+    }
+
+    /// This hasher with each block's hash also covering the `tokens` after the block (vLLM
+    /// 0.33's lookahead block hashes for EAGLE-style drafters, whose KV at a block's last
+    /// position depends on the next token). A block is hashed only once those tokens exist.
+    pub fn with_lookahead(mut self, tokens: usize) -> Self {
+        self.lookahead = tokens;
+        self
+    }
+
+    /// Tokens after each block that its hash covers (0: the block alone).
+    pub fn lookahead(&self) -> usize {
+        self.lookahead
+    }
+
+    /// Blocks of a `num_tokens`-token sequence that can be hashed: full blocks followed by
+    /// [`Self::lookahead`] tokens.
+    pub fn num_hashable_blocks(&self, num_tokens: usize) -> usize {
+        num_tokens.saturating_sub(self.lookahead) / self.block_size
     }
 
     /// The algorithm in use.
@@ -103,11 +126,13 @@ impl BlockHasher {
         self.block_size
     }
 
-    /// Hash of one full block given its parent's hash (None for the first block).
+    /// Hash of one full block given its parent's hash (None for the first block) and the
+    /// [`Self::lookahead`] tokens after it (empty without lookahead).
     pub fn hash_block(
         &self,
         parent: Option<&BlockHash>,
         tokens: &[u32],
+        lookahead: &[u32],
         extra: &ExtraKeys,
         is_first_block: bool,
     ) -> BlockHash {
@@ -117,7 +142,27 @@ impl BlockHasher {
         } else {
             None
         };
-        let extras = [(TAG_LORA, extra.lora_name.as_deref()), (TAG_SALT, salt)];
+        let mut lookahead_stack = [0u8; 4 * 16];
+        let mut lookahead_heap = Vec::new();
+        let lookahead_bytes = if lookahead.is_empty() {
+            None
+        } else {
+            let buf: &mut [u8] = if 4 * lookahead.len() <= lookahead_stack.len() {
+                &mut lookahead_stack[..4 * lookahead.len()]
+            } else {
+                lookahead_heap.resize(4 * lookahead.len(), 0);
+                &mut lookahead_heap
+            };
+            for (dst, t) in buf.chunks_exact_mut(4).zip(lookahead) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            Some(&*buf)
+        };
+        let extras = [
+            (TAG_LORA, extra.lora_name.as_deref().map(str::as_bytes)),
+            (TAG_SALT, salt.map(str::as_bytes)),
+            (TAG_LOOKAHEAD, lookahead_bytes),
+        ];
         if self.algo == HashAlgo::Sha256 {
             // The usual block (about 100 bytes) is encoded straight into a padded SHA-256
             // message.
@@ -143,14 +188,17 @@ impl BlockHasher {
         })
     }
 
-    /// Appends the hashes of every full block of `tokens` not yet in `hashes`.
+    /// Appends the hashes of every hashable block of `tokens` (see
+    /// [`Self::num_hashable_blocks`]) not yet in `hashes`.
     pub fn extend_hashes(&self, hashes: &mut Vec<BlockHash>, tokens: &[u32], extra: &ExtraKeys) {
-        let num_full = tokens.len() / self.block_size;
+        let num_full = self.num_hashable_blocks(tokens.len());
         hashes.reserve(num_full.saturating_sub(hashes.len()));
         for i in hashes.len()..num_full {
-            let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
+            let end = (i + 1) * self.block_size;
+            let block = &tokens[i * self.block_size..end];
+            let lookahead = &tokens[end..end + self.lookahead];
             let parent = if i == 0 { None } else { Some(&hashes[i - 1]) };
-            let h = self.hash_block(parent, block, extra, i == 0);
+            let h = self.hash_block(parent, block, lookahead, extra, i == 0);
             hashes.push(h);
         }
     }
@@ -161,7 +209,7 @@ impl BlockHasher {
 const INLINE_BLOCK_BYTES: usize = 384;
 
 /// The extra keys a block's encoding carries, with their tags.
-type TaggedExtras<'a> = [(u8, Option<&'a str>); 2];
+type TaggedExtras<'a> = [(u8, Option<&'a [u8]>); 3];
 
 /// Length of a block's canonical encoding.
 fn encoded_len(tokens: &[u32], extras: &TaggedExtras<'_>) -> usize {
@@ -186,7 +234,7 @@ fn encode(buf: &mut [u8], parent: &BlockHash, tokens: &[u32], extras: &TaggedExt
         if let Some(v) = value {
             buf[at] = *tag;
             buf[at + 1..at + 5].copy_from_slice(&(v.len() as u32).to_le_bytes());
-            buf[at + 5..at + 5 + v.len()].copy_from_slice(v.as_bytes());
+            buf[at + 5..at + 5 + v.len()].copy_from_slice(v);
             at += 5 + v.len();
         }
     }
@@ -289,9 +337,41 @@ mod tests {
         let b = BlockHasher::new(HashAlgo::Sha256, 2, b"y");
         let e = ExtraKeys::default();
         assert_ne!(
-            a.hash_block(None, &[1, 2], &e, true),
-            b.hash_block(None, &[1, 2], &e, true)
+            a.hash_block(None, &[1, 2], &[], &e, true),
+            b.hash_block(None, &[1, 2], &[], &e, true)
         );
+    }
+
+    /// With lookahead, a block is hashed once the tokens after it exist, and its hash covers
+    /// them: sequences that differ only in the token after a block differ in that block's hash.
+    #[test]
+    fn lookahead_hashes_cover_the_next_tokens() {
+        let extra = ExtraKeys::default();
+        for lookahead in [1, 2, 17] {
+            let h = hasher(HashAlgo::Sha256).with_lookahead(lookahead);
+            let plain = hasher(HashAlgo::Sha256);
+            let tokens: Vec<u32> = (0..40).collect();
+            for n in 0..=tokens.len() {
+                let mut v = Vec::new();
+                h.extend_hashes(&mut v, &tokens[..n], &extra);
+                assert_eq!(v.len(), n.saturating_sub(lookahead) / 4, "n={n}");
+            }
+            let mut a = Vec::new();
+            h.extend_hashes(&mut a, &tokens, &extra);
+            let mut changed = tokens.clone();
+            changed[4 + lookahead - 1] += 100; // in block 0's lookahead (and block 1 or later)
+            let mut b = Vec::new();
+            h.extend_hashes(&mut b, &changed, &extra);
+            assert_ne!(a[0], b[0], "lookahead {lookahead}");
+            let mut legacy = Vec::new();
+            plain.extend_hashes(&mut legacy, &tokens, &extra);
+            assert_ne!(a[0], legacy[0], "lookahead hashes are not the legacy ones");
+            let mut inc = Vec::new();
+            for n in 0..=tokens.len() {
+                h.extend_hashes(&mut inc, &tokens[..n], &extra);
+            }
+            assert_eq!(a, inc, "incremental equals batch");
+        }
     }
 
     #[test]

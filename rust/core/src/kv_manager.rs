@@ -81,6 +81,9 @@ pub struct KvCacheManager {
     stats: PrefixCacheStats,
     /// Give back the last block of every prefix-cache hit (vLLM's EAGLE block drop).
     drop_last_hit_block: bool,
+    /// Tokens after each block that its hash covers: a sequence's hashes lag its full blocks
+    /// by this many tokens.
+    hash_lookahead_tokens: usize,
 }
 
 /// `ceil(a / b)`.
@@ -112,6 +115,7 @@ impl KvCacheManager {
             max_model_len,
             stats: PrefixCacheStats::default(),
             drop_last_hit_block: false,
+            hash_lookahead_tokens: 0,
         })
     }
 
@@ -120,6 +124,13 @@ impl KvCacheManager {
     /// in vLLM 0.32). Off by default.
     pub fn set_drop_last_hit_block(&mut self, on: bool) {
         self.drop_last_hit_block = on;
+    }
+
+    /// Declares that block hashes cover `tokens` tokens after their block (see
+    /// [`crate::BlockHasher::with_lookahead`]): a full block whose next tokens do not exist yet
+    /// has no hash, and is cached once they do. 0 by default.
+    pub fn set_hash_lookahead_tokens(&mut self, tokens: usize) {
+        self.hash_lookahead_tokens = tokens;
     }
 
     /// Turns verification of prefix-cache hits (on by default) on or off; only while nothing is
@@ -287,7 +298,8 @@ impl KvCacheManager {
             }
         }
         if self.pool.caching_enabled() {
-            let to_cache = end.min(seq.num_tokens()) / bs;
+            let hashable = seq.num_tokens().saturating_sub(self.hash_lookahead_tokens) / bs;
+            let to_cache = (end.min(seq.num_tokens()) / bs).min(hashable);
             if to_cache > seq.block_hashes.len() {
                 return Err(invalid!(
                     "sequence has {} block hashes but {to_cache} full blocks to cache",

@@ -293,7 +293,7 @@ impl Request {
         }
         self.tokens.extend_from_slice(&sampled[..kept]);
         if let Some(h) = hasher {
-            if self.tokens.len() / h.block_size() > len / h.block_size() {
+            if h.num_hashable_blocks(self.tokens.len()) > h.num_hashable_blocks(len) {
                 h.extend_hashes(&mut self.block_hashes, &self.tokens, &self.spec.extra);
             }
         }
@@ -315,7 +315,9 @@ mod tests {
         hasher: &BlockHasher,
     ) -> Option<FinishReason> {
         r.tokens.push(token);
-        if r.tokens.len() % hasher.block_size() == 0 {
+        if r.tokens.len() >= hasher.lookahead()
+            && (r.tokens.len() - hasher.lookahead()) % hasher.block_size() == 0
+        {
             hasher.extend_hashes(&mut r.block_hashes, &r.tokens, &r.spec.extra);
         }
         let num_output = r.num_output_tokens();
@@ -358,8 +360,10 @@ mod tests {
             ignore_eos in proptest::bool::ANY,
             stop_ids in proptest::collection::vec(0u32..6, 0..3),
             sampled in proptest::collection::vec(0u32..8, 1..10),
+            hash_lookahead in 0usize..3,
         ) {
-            let hasher = BlockHasher::new(crate::hashing::HashAlgo::Sha256, 4, b"");
+            let hasher = BlockHasher::new(crate::hashing::HashAlgo::Sha256, 4, b"")
+                .with_lookahead(hash_lookahead);
             let mut r = Request::new(
                 RequestSpec {
                     request_id: "r".into(),

@@ -81,6 +81,9 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         c.draft_slots_per_request = count("draft_slots_per_request")?;
     }
     c.drop_last_hit_block = opt_flag(config, "drop_last_hit_block", c.drop_last_hit_block)?;
+    if config.hasattr("hash_lookahead_tokens").unwrap_or(false) {
+        c.hash_lookahead_tokens = count("hash_lookahead_tokens")?;
+    }
     if let Ok(v) = config.getattr("vllm_semantics") {
         let name = str_named(v.as_borrowed(), "config.vllm_semantics")?;
         c.vllm_semantics = VllmSemantics::from_name(&name).py(py)?;

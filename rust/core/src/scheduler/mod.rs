@@ -199,9 +199,11 @@ impl Scheduler {
         )?;
         kv.set_verify_hits(config.verify_prefix_hits)?;
         kv.set_drop_last_hit_block(config.drop_last_hit_block);
-        let hasher = config
-            .enable_prefix_caching
-            .then(|| BlockHasher::new(config.hash_algo, config.block_size, &config.hash_seed));
+        kv.set_hash_lookahead_tokens(config.hash_lookahead_tokens);
+        let hasher = config.enable_prefix_caching.then(|| {
+            BlockHasher::new(config.hash_algo, config.block_size, &config.hash_seed)
+                .with_lookahead(config.hash_lookahead_tokens)
+        });
         let rows = BatchRows::new(config.max_num_seqs, config.block_table_width())?;
         let stats = SchedulerStats {
             num_accepted_tokens_per_pos: vec![0; config.num_speculative_tokens],
