@@ -135,6 +135,33 @@ def test_runner_output_in_another_order_and_bad_tokens(make_scheduler: Any, offl
     s.core.check_invariants()
 
 
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_a_refused_runner_output_leaves_the_step_awaiting_its_output(
+    make_scheduler: Any, offline: Any, in_flight: int
+) -> None:
+    """A runner output refused for bad input changes nothing: the step still awaits its output
+    (with a younger step in flight too), the corrected output is then accepted, and the run
+    goes on exactly as one that never saw the bad output."""
+
+    def run(with_bad_output: bool) -> list[Any]:
+        s = _decode_scheduler(make_scheduler, offline)
+        steps = [s.schedule() for _ in range(in_flight)]
+        if with_bad_output:
+            with pytest.raises(InvalidArgumentError, match=r"sampled_token_ids\[0\]"):
+                s.update_from_output(steps[0], _sampled(steps[0], lambda rid: ["x"]))
+            s.core.check_invariants()
+        seen = []
+        for out in steps:
+            outs = s.update_from_output(out, _sampled(out, lambda rid: [44]))
+            seen.append(sorted((o.request_id, o.new_token_ids) for o in outs[0].outputs))
+        out = s.schedule()
+        seen.append(dict(out.num_scheduled_tokens))
+        s.core.check_invariants()
+        return seen
+
+    assert run(with_bad_output=True) == run(with_bad_output=False)
+
+
 @pytest.mark.parametrize(
     ("ids", "drafts", "error", "match"),
     [

@@ -206,16 +206,18 @@ class DFlashRsScheduler(SchedulerInterface):
         return None  # structured outputs are refused at add_request
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
-        core_out = self._take_in_flight(scheduler_output)
+        core_out = self._oldest_in_flight(scheduler_output)
         invalid = getattr(scheduler_output, "num_invalid_spec_tokens", None)
         updated: Optional[list[str]] = None
         if core_out is not None and len(core_out):
+            # Raises, with nothing applied, on a bad runner output: the step still awaits it.
             by_client, updated = self._out.engine_outputs(
                 core_out, model_runner_output, self._finished_dict, want_ids=bool(invalid)
             )
             self._num_finished_unreported += self._out.num_finished
         else:
             by_client = {}
+        self._in_flight.popleft()
         if self._error_outputs:
             for client, eco in self._error_outputs:
                 by_client.setdefault(client, []).append(eco)
@@ -237,13 +239,15 @@ class DFlashRsScheduler(SchedulerInterface):
             eco.scheduler_stats = stats
         return outputs
 
-    def _take_in_flight(self, scheduler_output: Any) -> Any:
+    def _oldest_in_flight(self, scheduler_output: Any) -> Any:
+        """The core's step of ``scheduler_output``, which must be the oldest one awaiting its
+        output (left in the queue: it leaves once its output is applied)."""
         if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
             raise SchedulerStateError(
                 "update_from_output got a SchedulerOutput that is not the oldest one "
                 "schedule() returned and that awaits its output"
             )
-        return self._in_flight.popleft()[1]
+        return self._in_flight[0][1]
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
         self._out.bridge.update_draft_token_ids(draft_token_ids)
