@@ -57,6 +57,9 @@ pub struct SchedulerConfig {
     /// (vLLM's EAGLE block drop, its default for EAGLE/EAGLE3/MTP, and for DFlash in 0.32).
     /// Off by default.
     pub drop_last_hit_block: bool,
+    /// Keep a log of prefix-cache changes ([`crate::kv_events`]) for the engine to publish as
+    /// KV-cache events (vLLM's `--kv-events-config`). Off by default.
+    pub kv_events: bool,
     /// The vLLM release series followed where their schedulers differ (0.33 by default).
     pub vllm_semantics: VllmSemantics,
     /// Refuse a pool that cannot hold one `max_model_len` request (default), as vLLM's engine
@@ -101,6 +104,7 @@ impl SchedulerConfig {
             async_scheduling: false,
             draft_slots_per_request: 0,
             drop_last_hit_block: false,
+            kv_events: false,
             vllm_semantics: VllmSemantics::V0_33,
             pool_must_hold_max_model_len: true,
             refuse_idle_steps: true,

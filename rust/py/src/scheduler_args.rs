@@ -81,6 +81,7 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         c.draft_slots_per_request = count("draft_slots_per_request")?;
     }
     c.drop_last_hit_block = opt_flag(config, "drop_last_hit_block", c.drop_last_hit_block)?;
+    c.kv_events = opt_flag(config, "kv_events", c.kv_events)?;
     if let Ok(v) = config.getattr("vllm_semantics") {
         let name = str_named(v.as_borrowed(), "config.vllm_semantics")?;
         c.vllm_semantics = VllmSemantics::from_name(&name).py(py)?;

@@ -199,6 +199,7 @@ impl Scheduler {
         )?;
         kv.set_verify_hits(config.verify_prefix_hits)?;
         kv.set_drop_last_hit_block(config.drop_last_hit_block);
+        kv.set_kv_events(config.kv_events);
         let hasher = config
             .enable_prefix_caching
             .then(|| BlockHasher::new(config.hash_algo, config.block_size, &config.hash_seed));
@@ -601,6 +602,7 @@ impl Scheduler {
                     extra: &r.spec.extra,
                 };
                 if let Some(first_new) = self.kv.allocate_slots(&mut r.blocks, seq, args)? {
+                    self.kv.attribute_kv_events(&r.spec.request_id);
                     allocated = Some(first_new);
                     break;
                 }
@@ -819,6 +821,7 @@ impl Scheduler {
                 }
                 break;
             }
+            self.kv.attribute_kv_events(&r.spec.request_id);
             self.waiting.pop();
             let kind = if r.status == RequestStatus::Preempted {
                 EntryKind::Resumed
@@ -1030,6 +1033,12 @@ impl Scheduler {
     /// Empties the prefix cache; false while any block is held.
     pub fn reset_prefix_cache(&mut self) -> bool {
         self.kv.reset_prefix_cache()
+    }
+
+    /// Takes the KV-cache events recorded since the last call, oldest first (none unless
+    /// [`SchedulerConfig::kv_events`] is on).
+    pub fn take_kv_events(&mut self) -> Vec<crate::kv_events::KvEvent> {
+        self.kv.take_kv_events()
     }
 }
 
