@@ -128,8 +128,9 @@ struct StepScratch {
     /// Position in this step's scheduling order, per scheduled slot.
     rank: Vec<u32>,
     hits: Vec<u32>,
-    /// `update_from_output`'s second pass: (slot, tokens done) of requests with blocks to cache.
-    to_cache: Vec<(u32, usize)>,
+    /// `update_from_output`'s second pass: (rank, slot, tokens done) of requests with blocks
+    /// to cache.
+    to_cache: Vec<(u32, u32, usize)>,
 }
 
 impl StepScratch {
