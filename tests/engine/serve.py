@@ -140,6 +140,7 @@ class EventSubscriber:
             _, topic, seq, payload = sock.recv_multipart()
             if seq == (-1).to_bytes(8, "big", signed=True):
                 break
+            assert topic == self.topic.encode()
             out.append(self._entry(seq, payload))
         sock.close(linger=0)
         return out

@@ -20,7 +20,7 @@ pytest.importorskip(
 )
 
 from engine_parity import Group
-from test_engine_parity import NGRAM, SMALL_POOL, Runs, abort, mixed, prefix, preempt
+from test_engine_parity import NGRAM, SMALL_POOL, Runs, abort, mixed, preempt, prefix
 
 pytestmark = pytest.mark.slow
 
