@@ -113,7 +113,14 @@ impl BlockPool {
         self.events = on.then(Box::default);
     }
 
+    /// Whether the KV-cache event log is on.
+    #[inline]
+    pub fn kv_events_on(&self) -> bool {
+        self.events.is_some()
+    }
+
     /// The KV-cache event log, while events are on.
+    #[inline]
     pub fn kv_events_mut(&mut self) -> Option<&mut KvEventLog> {
         self.events.as_deref_mut()
     }
@@ -124,6 +131,42 @@ impl BlockPool {
             .as_deref_mut()
             .map(KvEventLog::take)
             .unwrap_or_default()
+    }
+
+    /// While events are on, records that `blocks` (logical blocks `first..` of a request whose
+    /// block `first - 1` is `parent`, holding `tokens`, `block_size` each) are about to be
+    /// registered: one `Stored` per run of them not registered yet (a block whose entry a
+    /// withdrawal kept, because another request holds it, stays as it is).
+    pub fn record_stored(
+        &mut self,
+        first: usize,
+        parent: u32,
+        blocks: &[u32],
+        tokens: &[u32],
+        block_size: usize,
+    ) {
+        let Some(log) = self.events.as_deref_mut() else {
+            return;
+        };
+        let new = |b: u32| b != NULL_BLOCK && !self.prefix.is_registered(&self.meta, b);
+        let mut i = 0;
+        while i < blocks.len() {
+            if !new(blocks[i]) {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < blocks.len() && new(blocks[i]) {
+                i += 1;
+            }
+            let run_parent = if start == 0 {
+                parent
+            } else {
+                blocks[start - 1]
+            };
+            let run_tokens = &tokens[start * block_size..i * block_size];
+            log.stored(first + start, run_parent, &blocks[start..i], run_tokens);
+        }
     }
 
     /// Total blocks including the null block.

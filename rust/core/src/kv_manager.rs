@@ -140,10 +140,16 @@ impl KvCacheManager {
         self.pool.take_kv_events()
     }
 
+    /// Whether the KV-cache event log is on (callers check it before naming a request, so
+    /// that without events they read nothing of it).
+    #[inline]
+    pub fn kv_events_on(&self) -> bool {
+        self.pool.kv_events_on()
+    }
+
     /// Names `request_id` as the request whose blocks the `Stored` events recorded since the
     /// last call registered: the caller names the request after each call that may register
     /// blocks of it (allocation, [`Self::cache_blocks`]).
-    #[inline]
     pub fn attribute_kv_events(&mut self, request_id: &str) {
         if let Some(log) = self.pool.kv_events_mut() {
             log.attribute(request_id);
@@ -471,13 +477,14 @@ impl KvCacheManager {
             extra: seq.extra,
             parent_fingerprint: req.cached_fingerprint,
         };
-        let bs = self.block_size;
-        if let Some(log) = self.pool.kv_events_mut() {
-            log.stored(
+        if self.pool.kv_events_on() {
+            let bs = self.block_size;
+            self.pool.record_stored(
                 src.first,
                 src.parent,
                 &req.block_ids[range.clone()],
                 &seq.tokens[range.start * bs..range.end * bs],
+                bs,
             );
         }
         req.cached_fingerprint = self.pool.cache_full_blocks(

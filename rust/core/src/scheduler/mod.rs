@@ -603,7 +603,9 @@ impl Scheduler {
                     extra: &r.spec.extra,
                 };
                 if let Some(first_new) = self.kv.allocate_slots(&mut r.blocks, seq, args)? {
-                    self.kv.attribute_kv_events(&r.spec.request_id);
+                    if self.kv.kv_events_on() {
+                        self.kv.attribute_kv_events(&r.spec.request_id);
+                    }
                     allocated = Some(first_new);
                     break;
                 }
@@ -822,7 +824,9 @@ impl Scheduler {
                 }
                 break;
             }
-            self.kv.attribute_kv_events(&r.spec.request_id);
+            if self.kv.kv_events_on() {
+                self.kv.attribute_kv_events(&r.spec.request_id);
+            }
             self.waiting.pop();
             let kind = if r.status == RequestStatus::Preempted {
                 EntryKind::Resumed

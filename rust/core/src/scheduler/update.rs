@@ -229,7 +229,9 @@ impl Scheduler {
                 extra: &r.spec.extra,
             };
             self.kv.cache_blocks(&mut r.blocks, seq, done);
-            self.kv.attribute_kv_events(&r.spec.request_id);
+            if self.kv.kv_events_on() {
+                self.kv.attribute_kv_events(&r.spec.request_id);
+            }
         }
         self.scratch.to_cache = to_cache;
         // Free finished requests in scheduling order, as vLLM does: the order decides the free
