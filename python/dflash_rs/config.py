@@ -112,7 +112,9 @@ class SchedulerConfig:
     It replaces the drop (the two exclude each other); 0 by default. ``vllm_semantics`` names the
     vLLM release series (``"0.32"`` or ``"0.33"``) whose scheduler is followed where the two
     differ: when blocks are registered as outputs arrive, a stop's computed-token claim, and
-    priority self-preemption.
+    priority self-preemption. ``kv_events=True`` keeps a log of prefix-cache changes (blocks
+    registered, evicted, the cache cleared) that ``Scheduler.take_kv_events()`` drains, for an
+    engine to publish as KV-cache events; off by default (no cost).
 
     A config is refused (``InvalidArgumentError``) when its pool cannot hold one request of
     ``max_model_len`` tokens (``num_blocks >= cdiv(max_model_len, block_size) + 1``, the null
@@ -148,6 +150,7 @@ class SchedulerConfig:
     draft_slots_per_request: int = 0
     drop_last_hit_block: bool = False
     hash_lookahead_tokens: int = 0
+    kv_events: bool = False
     vllm_semantics: str = "0.33"
     pool_must_hold_max_model_len: bool = True
     refuse_idle_steps: bool = True
@@ -167,6 +170,7 @@ class SchedulerConfig:
         _check_bool("pad_admitted_decodes", self.pad_admitted_decodes)
         _check_bool("async_scheduling", self.async_scheduling)
         _check_bool("drop_last_hit_block", self.drop_last_hit_block)
+        _check_bool("kv_events", self.kv_events)
         _check_bool("pool_must_hold_max_model_len", self.pool_must_hold_max_model_len)
         _check_bool("refuse_idle_steps", self.refuse_idle_steps)
         if self.hash_lookahead_tokens > 64:

@@ -171,6 +171,8 @@ class Group:
     cases: list[dict[str, Any]]
     spec: Optional[dict[str, Any]] = None
     engine: dict[str, Any] = field(default_factory=dict)
+    #: Publish KV-cache events (ZMQ, with replay) and record them (``serve.EventSubscriber``).
+    kv_events: bool = False
 
     def spec_json(self, models: dict[str, str], scheduler: str, out: str) -> dict[str, Any]:
         engine = {**BASE_ENGINE, **self.engine, "model": models[self.target]}
@@ -180,7 +182,13 @@ class Group:
                 spec["model"] = models[spec["model"]]
                 spec.setdefault("draft_load_config", {"load_format": "dummy"})
             engine["speculative_config"] = spec
-        return {"engine": engine, "scheduler": scheduler, "cases": self.cases, "out": out}
+        return {
+            "engine": engine,
+            "scheduler": scheduler,
+            "cases": self.cases,
+            "out": out,
+            "kv_events": self.kv_events,
+        }
 
 
 def run_side(

@@ -12,7 +12,15 @@ A case is ``{"name", "requests": [{"prompt", "params", ...}], "engine"?, "abort"
 ``LLM.generate``, one call per ``wave`` (default 0, in order). With ``engine`` the worker drives
 ``LLM.llm_engine`` (the ``LLMEngine`` that ``LLM`` builds with ``from_engine_args``) itself:
 ``add_request`` before step ``arrive`` (default 0), ``step()`` until all have finished, and
-``abort_request`` for request ``i`` right after ``abort[i]`` steps.
+``abort_request`` for request ``i`` right after ``abort[i]`` steps. ``reset_after`` calls
+``LLM.reset_prefix_cache()`` after the case.
+
+With ``kv_events`` the engine publishes KV-cache events through vLLM's ZMQ publisher (on ipc
+endpoints next to ``out``, with a replay socket); ``EventSubscriber`` receives them as a KV-aware
+router does (a SUB socket, ``msgspec`` decoding into ``KVEventBatch``) and, after the last
+case, asks the replay socket for every batch from sequence 0. The result then holds
+``kv_events``: ``live`` and ``replayed``, each a list of ``[seq, data-parallel rank, events]``
+(events as plain data, without the batch timestamps).
 
 The result holds, per case, per request index: the token ids and finish reason of each
 completion (``"aborted"`` with the tokens seen so far for aborted requests), the deltas of
@@ -76,6 +84,71 @@ def record_schedule(scheduler: Any, trace: list[Any]) -> None:
 
     scheduler.schedule = traced_schedule
     scheduler.update_draft_token_ids = traced_update_drafts
+
+
+class EventSubscriber:
+    """A KV-aware router's view of the engine's events: a SUB socket on the publisher's
+    endpoint, read by a thread, and the replay socket (a DEALER asking from a sequence)."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str, topic: str) -> None:
+        import threading
+
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.zmq, self.msgspec = zmq, msgspec
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.ctx = zmq.Context.instance()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.connect(endpoint)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.replay_endpoint, self.topic = replay_endpoint, topic
+        self.live: list[Any] = []
+        self.last_message = time.monotonic()
+        self.running = True
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        time.sleep(0.5)  # PUB/SUB: let the subscription reach the publisher
+
+    def _entry(self, seq: bytes, payload: bytes) -> list[Any]:
+        batch = self.decoder.decode(payload)
+        events = self.msgspec.to_builtins(batch.events)
+        return [int.from_bytes(seq, "big"), batch.data_parallel_rank, events]
+
+    def _read(self) -> None:
+        while self.running:
+            if self.sub.poll(100):
+                topic, seq, payload = self.sub.recv_multipart()
+                assert topic == self.topic.encode()
+                self.live.append(self._entry(seq, payload))
+                self.last_message = time.monotonic()
+
+    def drain(self, quiet_s: float = 1.0) -> None:
+        """Waits until no batch arrived for ``quiet_s``."""
+        while time.monotonic() - self.last_message < quiet_s:
+            time.sleep(0.1)
+
+    def replay(self, start: int = 0) -> list[Any]:
+        """Every batch from sequence ``start`` on, from the replay socket."""
+        zmq = self.zmq
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.connect(self.replay_endpoint)
+        sock.send_multipart((b"", start.to_bytes(8, "big")))
+        out = []
+        while sock.poll(5000):
+            _, topic, seq, payload = sock.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                break
+            assert topic == self.topic.encode()
+            out.append(self._entry(seq, payload))
+        sock.close(linger=0)
+        return out
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join()
+        self.sub.close(linger=0)
 
 
 def sampling_params(params: dict[str, Any]) -> Any:
@@ -150,6 +223,18 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     cls = SCHEDULERS[spec["scheduler"]]
     if cls is not None:
         kwargs["scheduler_cls"] = cls
+    endpoints = None
+    if spec.get("kv_events"):
+        from vllm.config import KVEventsConfig
+
+        endpoints = (f"ipc://{spec['out']}.pub", f"ipc://{spec['out']}.replay", "kv")
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=endpoints[0],
+            replay_endpoint=endpoints[1],
+            topic=endpoints[2],
+        )
     try:
         llm = LLM(**kwargs)
     except Exception as e:
@@ -160,6 +245,7 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     doc["startup_s"] = time.perf_counter() - t0
     trace: list[Any] = []
     record_schedule(core.scheduler, trace)
+    subscriber = EventSubscriber(*endpoints) if endpoints else None
     for case in spec["cases"]:
         t = time.perf_counter()
         before = counters(llm)
@@ -182,6 +268,12 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
             "schedule": list(trace),
             "wall_s": time.perf_counter() - t,
         }
+        if case.get("reset_after"):
+            doc["cases"][case["name"]]["reset"] = llm.reset_prefix_cache()
+    if subscriber is not None:
+        subscriber.drain()
+        doc["kv_events"] = {"live": subscriber.live, "replayed": subscriber.replay()}
+        subscriber.close()
     doc["total_s"] = time.perf_counter() - t0
     return doc
 

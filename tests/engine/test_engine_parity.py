@@ -36,7 +36,7 @@ import importlib.metadata
 import os
 import random
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -201,14 +201,15 @@ IDS = [f"{g}-{c}" for g, c in CASES]
 class Runs:
     """Serves each group once per scheduler, on first use."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, groups: Optional[dict[str, Group]] = None) -> None:
         self.root = root
         self.models = write_models(root)
+        self.groups = BY_NAME if groups is None else groups
         self.done: dict[str, dict[str, Any]] = {}
 
     def get(self, name: str) -> dict[str, Any]:
         if name not in self.done:
-            group = BY_NAME[name]
+            group = self.groups[name]
             with ThreadPoolExecutor(max_workers=max(1, JOBS)) as pool:
                 futures = {
                     side: pool.submit(run_side, group, self.models, self.root, side, TIMEOUT)

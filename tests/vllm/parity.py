@@ -88,6 +88,10 @@ class TraceParams:
     #: back to UNPAUSED. The engine waits for a resume, so a trace resumes when it would idle.
     pause_prob: float = 0.0
     pause_states: tuple[str, ...] = ("PAUSED_NEW",)
+    #: KV-cache events on (``kv_events_config``): every batch either publishes is compared,
+    #: event by event. Odd seeds build dflash-rs's requests without the engine's block hasher,
+    #: so that every hash it publishes is its own.
+    kv_events: bool = False
     #: Known dflash-rs divergences (see KNOWN_DIVERGENCES) to neutralise on the vLLM side.
     emulate: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
@@ -131,6 +135,9 @@ class TraceResult:
     pause_changes: int = 0
     held_back_steps: int = 0
     paused_all_steps: int = 0
+    #: KV events: batches published, events by class name.
+    kv_event_batches: int = 0
+    kv_events: dict[str, int] = field(default_factory=dict)
 
 
 def _fail(p: TraceParams, step: int, what: str, ours: Any, vllm: Any) -> Divergence:
@@ -229,6 +236,28 @@ def _norm_engine(outs: dict[int, Any]) -> dict[str, tuple]:
     return res
 
 
+class EventRecorder:
+    """Stands in for vLLM's event publisher: keeps every ``KVEventBatch`` published."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.batches.append(batch)
+
+    def shutdown(self) -> None:
+        pass
+
+    def take(self) -> list[Any]:
+        batches, self.batches = self.batches, []
+        return batches
+
+
+def _norm_batches(batches: list[Any]) -> list[tuple[Any, list[Any]]]:
+    """Published batches without their timestamps: (data-parallel rank, events)."""
+    return [(b.data_parallel_rank, list(b.events)) for b in batches]
+
+
 class Lockstep:
     """Drives both schedulers through one trace."""
 
@@ -262,6 +291,13 @@ class Lockstep:
         assert not unknown, unknown
 
     def _build(self, offline: Any, p: TraceParams, Scheduler: type, Ours: type) -> None:
+        extra = dict(p.extra)
+        if p.kv_events:
+            from vllm.config import KVEventsConfig
+
+            # The null publisher: the trace puts a recorder in its place on both.
+            events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+            extra["vllm"] = {**extra.get("vllm", {}), "kv_events_config": events}
         cfg, kv = offline.configs(
             num_blocks=p.num_blocks,
             method=p.method,
@@ -272,13 +308,18 @@ class Lockstep:
             max_num_batched_tokens=p.max_num_batched_tokens,
             policy=p.policy,
             async_scheduling=p.async_scheduling,
-            **p.extra,
+            **extra,
         )
         self.cfg = cfg
         self.vllm = offline.scheduler(Scheduler, cfg, kv)
         self.ours = offline.scheduler(Ours, cfg, kv)
         assert self.vllm.use_v2_model_runner == (not self.v1_runner)
         self.hasher = offline.block_hasher(cfg)
+        self.our_hasher = self.hasher if p.kv_events and p.seed % 2 == 0 else None
+        self.events = (EventRecorder(), EventRecorder())
+        if p.kv_events:
+            assert self.vllm.enable_kv_cache_events and self.ours.enable_kv_cache_events
+            self.vllm.kv_event_publisher, self.ours.kv_event_publisher = self.events
 
     # ------------------------------------------------------------------ trace pieces
 
@@ -303,7 +344,7 @@ class Lockstep:
         if rng.random() < 0.1:
             sampling["ignore_eos"] = True
         rid = f"r{i}"
-        for sched, hasher in ((self.vllm, self.hasher), (self.ours, None)):
+        for sched, hasher in ((self.vllm, self.hasher), (self.ours, self.our_hasher)):
             sched.add_request(
                 self.offline.request(rid, list(prompt), max_tokens, hasher, **dict(sampling))
             )
@@ -472,6 +513,33 @@ class Lockstep:
             )
         self.res.finished += sum(1 for x in a.values() if x[2] is not None)
         self._compare_stats(step, ov, od)
+        self._compare_events(step)
+
+    def _compare_events(self, step: int) -> None:
+        """The KV-event batches both published in the last update_from_output, event by
+        event."""
+        if not self.p.kv_events:
+            return
+        a, b = (_norm_batches(r.take()) for r in self.events)
+        self.res.kv_event_batches += len(a)
+        for _, events in a:
+            for e in events:
+                name = type(e).__name__
+                self.res.kv_events[name] = self.res.kv_events.get(name, 0) + 1
+        if a != b:
+            flat_a = [e for _, events in a for e in events]
+            flat_b = [e for _, events in b for e in events]
+            i = next(
+                (i for i, (x, y) in enumerate(zip(flat_a, flat_b)) if x != y),
+                min(len(flat_a), len(flat_b)),
+            )
+            raise _fail(
+                self.p,
+                step,
+                f"KV events (batches {len(a)} vs {len(b)}, first difference at event {i})",
+                flat_b[i : i + 2],
+                flat_a[i : i + 2],
+            )
 
     # ------------------------------------------------------------------ async scheduling
 

@@ -155,7 +155,6 @@ OVERRIDES = [
     ("kv_transfer_config", object(), "KV connectors"),
     ("ec_transfer_config", object(), "encoder-cache connectors"),
     ("lora_config", object(), "LoRA"),
-    ("kv_events_config", _Override(object(), enable_kv_cache_events=True), "KV-cache events"),
     ("model_config.is_multimodal_model", True, "multimodal"),
     ("model_config.is_encoder_decoder", True, "encoder-decoder"),
     ("model_config.runner_type", "pooling", "pooling"),

@@ -13,7 +13,7 @@ from dflash_rs.config import SchedulerConfig, SpeculativeConfig
 from dflash_rs.errors import UnsupportedFeatureError
 from dflash_rs.vllm._compat import installed
 
-__all__ = ["Translated", "translate_config"]
+__all__ = ["Translated", "kv_events_enabled", "translate_config"]
 
 # vLLM speculative method -> dflash-rs method. Missing: dspark, ngram_gpu, draft_model (it
 # needs extra query slots per request, `max_num_new_slots_for_drafting`), custom_class and
@@ -151,6 +151,12 @@ def _drops_last_hit_block(vllm_config: Any) -> bool:
     )
 
 
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether ``--kv-events-config`` turns KV-cache events on."""
+    config = vllm_config.kv_events_config
+    return config is not None and bool(config.enable_kv_cache_events)
+
+
 def _check_engine(vllm_config: Any) -> None:
     model = vllm_config.model_config
     sched = vllm_config.scheduler_config
@@ -161,12 +167,6 @@ def _check_engine(vllm_config: Any) -> None:
             vllm_config.ec_transfer_config is not None,
             "encoder-cache connectors",
             "drop --ec-transfer-config",
-        ),
-        (
-            vllm_config.kv_events_config is not None
-            and vllm_config.kv_events_config.enable_kv_cache_events,
-            "KV-cache events",
-            "drop --kv-events-config",
         ),
         (vllm_config.lora_config is not None, "LoRA (max_loras limits)", "drop --enable-lora"),
         (
@@ -285,6 +285,7 @@ def translate_config(
         # vLLM 0.33's default for EAGLE-style drafters with prefix caching: each block's hash
         # also covers the token after it (replacing the drop).
         hash_lookahead_tokens=installed().num_hash_lookahead_tokens(vllm_config),
+        kv_events=kv_events_enabled(vllm_config),
         # vLLM's Scheduler accepts a pool smaller than one max_model_len request (its engine
         # too, with num_gpu_blocks_override); such a request is ended with an error instead.
         pool_must_hold_max_model_len=False,

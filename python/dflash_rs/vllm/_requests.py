@@ -82,6 +82,9 @@ class RequestBook:
         self.slow_path: set[str] = set()
         #: Requests with a client index other than 0.
         self.num_other_clients = 0
+        #: With KV-cache events: requests finished since the events were last collected (their
+        #: last registered blocks still need the request). None without events.
+        self.recently_finished: Optional[dict[str, Any]] = None
 
     def add(self, request: Any) -> None:
         rid = request.request_id
@@ -163,4 +166,6 @@ class RequestBook:
         self.slow_path.discard(rid)
         if request.client_index:
             self.num_other_clients -= 1
+        if self.recently_finished is not None:
+            self.recently_finished[rid] = request
         return request

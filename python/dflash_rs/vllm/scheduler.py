@@ -30,6 +30,7 @@ from dflash_rs.errors import (
     UnsupportedFeatureError,
 )
 from dflash_rs.vllm._config import translate_config
+from dflash_rs.vllm._kv_events import KvEvents, create_publisher
 from dflash_rs.vllm._outputs import OutputBuilder
 from dflash_rs.vllm._requests import RequestBook, core_request, unsupported_reason
 
@@ -92,6 +93,20 @@ class DFlashRsScheduler(SchedulerInterface):
         #: vLLM's KV/EC connectors: refused at construction, so always None.
         self.connector = None
         self.ec_connector = None
+        #: KV-cache events (``--kv-events-config``), through vLLM's publisher (as its Scheduler:
+        #: a no-op one without events); ``_kv_events`` converts the core's log, None if off.
+        self.kv_events_config = vllm_config.kv_events_config
+        self.enable_kv_cache_events = tr.config.kv_events
+        self.kv_event_publisher = create_publisher(vllm_config)
+        self._kv_events: Optional[KvEvents] = None
+        if self.enable_kv_cache_events:
+            self._kv_events = KvEvents(
+                self._core,
+                self._book,
+                vllm_config,
+                kv_cache_config,
+                block_size,
+            )
         self._pause_state = PauseState.UNPAUSED
         #: Steps handed out and not yet given back to update_from_output: (vLLM, dflash-rs).
         self._in_flight: deque[tuple[Any, Any]] = deque()
@@ -115,6 +130,8 @@ class DFlashRsScheduler(SchedulerInterface):
 
     def add_request(self, request: Any) -> None:
         reason = unsupported_reason(request)
+        if reason is None and self._kv_events is not None:
+            reason = _kv_events_reason(request)
         if reason is not None:
             self._refuse_request(request, reason)
             return
@@ -198,6 +215,8 @@ class DFlashRsScheduler(SchedulerInterface):
                 message = "dflash-rs: the KV-cache pool can never hold this request"
                 output = self._out.error_output(request, message, code="internal_error")
                 self._error_outputs.append((request.client_index, output))
+        if self._kv_events is not None:
+            self._kv_events.collect()
         out = self._out.scheduler_output(core_out, now)
         self._in_flight.append((out, core_out))
         return out
@@ -218,6 +237,8 @@ class DFlashRsScheduler(SchedulerInterface):
         else:
             by_client = {}
         self._in_flight.popleft()
+        if self._kv_events is not None:
+            self._kv_events.publish(self.kv_event_publisher)
         if self._error_outputs:
             for client, eco in self._error_outputs:
                 by_client.setdefault(client, []).append(eco)
@@ -299,6 +320,8 @@ class DFlashRsScheduler(SchedulerInterface):
             # tokens again (vLLM clears prev_step_scheduled_req_ids).
             self._out.bridge.forget_previous_step()
         ok = self._core.reset_prefix_cache()
+        if self._kv_events is not None:
+            self._kv_events.collect()
         if reset_running_requests and not ok:
             raise RuntimeError(
                 "dflash-rs: failed to reset the prefix cache with every running request preempted"
@@ -372,7 +395,8 @@ class DFlashRsScheduler(SchedulerInterface):
         return stats
 
     def shutdown(self) -> None:
-        """Nothing to release: the Rust core frees its memory with the object."""
+        """Stops vLLM's event publisher; the Rust core frees its memory with the object."""
+        self.kv_event_publisher.shutdown()
 
     def get_kv_connector(self) -> None:
         return None
@@ -380,8 +404,8 @@ class DFlashRsScheduler(SchedulerInterface):
     def get_ec_connector(self) -> None:
         return None
 
-    def get_kv_event_publisher_config(self) -> None:
-        return None
+    def get_kv_event_publisher_config(self) -> Any:
+        return self.kv_event_publisher.get_publisher_config()
 
     # ------------------------------------------------------------------ dflash-rs extras
 
@@ -389,6 +413,14 @@ class DFlashRsScheduler(SchedulerInterface):
     def core(self) -> CoreScheduler:
         """The underlying ``dflash_rs.Scheduler`` (read its state, ``check_invariants()``)."""
         return self._core
+
+
+def _kv_events_reason(request: Any) -> Optional[str]:
+    """Why a request cannot be served with KV-cache events on, or None."""
+    if getattr(request, "kv_cache_report_mode", "incremental") != "incremental":
+        # vLLM re-reports prefix hits at each lookup, which the core does not mirror.
+        return "kv_cache_report_mode 'full' (BlockStored for prefix hits) is not supported"
+    return None
 
 
 def _invalid_drafts(scheduler_output: Any, updated: Optional[list[str]]) -> list[tuple[int, int]]:

@@ -10,6 +10,7 @@ use crate::error::{broken, invalid, try_filled_vec, CoreError, CoreResult};
 use crate::free_queue::FreeQueue;
 use crate::hashing::BlockHash;
 use crate::hashing::ExtraKeys;
+use crate::kv_events::{KvEvent, KvEventLog};
 use crate::prefix_map::PrefixMap;
 use crate::provenance::{Fingerprint, Provenance};
 
@@ -29,6 +30,8 @@ pub struct BlockPool {
     provenance: Option<Provenance>,
     /// Reused buffer of `free_blocks`.
     scratch: Vec<u32>,
+    /// KV-cache events since the engine last took them; None while events are off.
+    events: Option<Box<KvEventLog>>,
 }
 
 /// Where blocks being cached came from: the request's tokens, the logical index of the first
@@ -66,6 +69,7 @@ impl BlockPool {
             enable_caching,
             provenance: None,
             scratch: Vec::new(),
+            events: None,
         })
     }
 
@@ -102,6 +106,69 @@ impl BlockPool {
     /// Whether prefix-cache hits are verified against the tokens they were cached with.
     pub fn verifies_hits(&self) -> bool {
         self.provenance.is_some()
+    }
+
+    /// Turns the KV-cache event log on (empty) or off (dropping what it held).
+    pub fn set_kv_events(&mut self, on: bool) {
+        self.events = on.then(Box::default);
+    }
+
+    /// Whether the KV-cache event log is on.
+    #[inline]
+    pub fn kv_events_on(&self) -> bool {
+        self.events.is_some()
+    }
+
+    /// The KV-cache event log, while events are on.
+    #[inline]
+    pub fn kv_events_mut(&mut self) -> Option<&mut KvEventLog> {
+        self.events.as_deref_mut()
+    }
+
+    /// Takes the KV-cache events recorded so far (none while events are off).
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.events
+            .as_deref_mut()
+            .map(KvEventLog::take)
+            .unwrap_or_default()
+    }
+
+    /// While events are on, records that `blocks` (logical blocks `first..` of a request whose
+    /// block `first - 1` is `parent`, holding `tokens`, `block_size` each, followed by the
+    /// `lookahead` tokens their hashes also cover) are about to be registered: one `Stored` per
+    /// run of them not registered yet (a block whose entry a withdrawal kept, because another
+    /// request holds it, stays as it is).
+    pub fn record_stored(
+        &mut self,
+        first: usize,
+        parent: u32,
+        blocks: &[u32],
+        tokens: &[u32],
+        block_size: usize,
+        lookahead: usize,
+    ) {
+        let Some(log) = self.events.as_deref_mut() else {
+            return;
+        };
+        let new = |b: u32| b != NULL_BLOCK && !self.prefix.is_registered(&self.meta, b);
+        let mut i = 0;
+        while i < blocks.len() {
+            if !new(blocks[i]) {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < blocks.len() && new(blocks[i]) {
+                i += 1;
+            }
+            let run_parent = if start == 0 {
+                parent
+            } else {
+                blocks[start - 1]
+            };
+            let run_tokens = &tokens[start * block_size..i * block_size + lookahead];
+            log.stored(first + start, run_parent, &blocks[start..i], run_tokens);
+        }
     }
 
     /// Total blocks including the null block.
@@ -241,8 +308,19 @@ impl BlockPool {
                 self.prefix.prefetch_remove(&self.meta, b);
             }
         }
-        for &b in popped {
-            self.prefix.remove(&mut self.meta, b);
+        match self.events.as_deref_mut() {
+            None => {
+                for &b in popped {
+                    self.prefix.remove(&mut self.meta, b);
+                }
+            }
+            Some(log) => {
+                for &b in popped {
+                    if self.prefix.remove(&mut self.meta, b).is_some() {
+                        log.removed(b);
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -381,7 +459,11 @@ impl BlockPool {
 
     /// Evicts `block`'s hash from the prefix cache if it is registered; returns whether it was.
     pub fn evict_hash(&mut self, block: u32) -> bool {
-        self.prefix.remove(&mut self.meta, block).is_some()
+        let evicted = self.prefix.remove(&mut self.meta, block).is_some();
+        if let (true, Some(log)) = (evicted, self.events.as_deref_mut()) {
+            log.removed(block);
+        }
+        evicted
     }
 
     /// Empties the prefix cache. Fails (returns false, changes nothing) while any block is held.
@@ -390,6 +472,9 @@ impl BlockPool {
             return false;
         }
         self.prefix.clear(&mut self.meta);
+        if let Some(log) = self.events.as_deref_mut() {
+            log.cleared();
+        }
         true
     }
 

@@ -63,6 +63,9 @@ pub struct SchedulerConfig {
     /// token). A block is hashed, and so cached, once those tokens exist. Replaces the last
     /// block drop. 0 (the default) hashes each block alone.
     pub hash_lookahead_tokens: usize,
+    /// Keep a log of prefix-cache changes ([`crate::kv_events`]) for the engine to publish as
+    /// KV-cache events (vLLM's `--kv-events-config`). Off by default.
+    pub kv_events: bool,
     /// The vLLM release series followed where their schedulers differ (0.33 by default).
     pub vllm_semantics: VllmSemantics,
     /// Refuse a pool that cannot hold one `max_model_len` request (default), as vLLM's engine
@@ -108,6 +111,7 @@ impl SchedulerConfig {
             draft_slots_per_request: 0,
             drop_last_hit_block: false,
             hash_lookahead_tokens: 0,
+            kv_events: false,
             vllm_semantics: VllmSemantics::V0_33,
             pool_must_hold_max_model_len: true,
             refuse_idle_steps: true,

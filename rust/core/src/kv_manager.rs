@@ -8,6 +8,7 @@
 use crate::block_pool::{BlockPool, BlockSource, NULL_BLOCK};
 use crate::error::{invalid, CoreError, CoreResult};
 use crate::hashing::{BlockHash, ExtraKeys};
+use crate::kv_events::KvEvent;
 use crate::provenance::Fingerprint;
 
 /// Blocks held by one request, in logical order, and how many leading ones are in the prefix cache.
@@ -138,6 +139,32 @@ impl KvCacheManager {
     /// verification guards against under a forced hash collision.
     pub fn set_verify_hits(&mut self, on: bool) -> CoreResult<()> {
         self.pool.set_verify_hits(on.then_some(self.block_size))
+    }
+
+    /// Turns the KV-cache event log on (empty) or off.
+    pub fn set_kv_events(&mut self, on: bool) {
+        self.pool.set_kv_events(on);
+    }
+
+    /// Takes the KV-cache events recorded so far (none while events are off).
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.pool.take_kv_events()
+    }
+
+    /// Whether the KV-cache event log is on (callers check it before naming a request, so
+    /// that without events they read nothing of it).
+    #[inline]
+    pub fn kv_events_on(&self) -> bool {
+        self.pool.kv_events_on()
+    }
+
+    /// Names `request_id` as the request whose blocks the `Stored` events recorded since the
+    /// last call registered: the caller names the request after each call that may register
+    /// blocks of it (allocation, [`Self::cache_blocks`]).
+    pub fn attribute_kv_events(&mut self, request_id: &str) {
+        if let Some(log) = self.pool.kv_events_mut() {
+            log.attribute(request_id);
+        }
     }
 
     /// Tokens per block.
@@ -462,6 +489,18 @@ impl KvCacheManager {
             extra: seq.extra,
             parent_fingerprint: req.cached_fingerprint,
         };
+        if self.pool.kv_events_on() {
+            let bs = self.block_size;
+            self.pool.record_stored(
+                src.first,
+                src.parent,
+                &req.block_ids[range.clone()],
+                // The hashed blocks' next tokens exist: a block is hashed only once they do.
+                &seq.tokens[range.start * bs..range.end * bs + self.hash_lookahead_tokens],
+                bs,
+                self.hash_lookahead_tokens,
+            );
+        }
         req.cached_fingerprint = self.pool.cache_full_blocks(
             &req.block_ids[range.clone()],
             &seq.block_hashes[range],

@@ -15,6 +15,7 @@ pub mod fault;
 pub mod free_queue;
 pub mod hashing;
 pub mod huge_pages;
+pub mod kv_events;
 pub mod kv_manager;
 pub mod limits;
 pub mod lookahead;

@@ -4,6 +4,7 @@
 
 use std::sync::{Arc, OnceLock, Weak};
 
+use dflash_core::kv_events::KvEvent;
 use dflash_core::table_snapshot::{SnapshotPool, TableSnapshot};
 use dflash_core::{CoreError, EntryKind, PauseState, Scheduler, StepOutput, UpdateOutput};
 use hashbrown::HashMap;
@@ -829,6 +830,38 @@ impl PyScheduler {
         self.state.with(py, |st| {
             Ok(st.live(py, &request_id)?.num_output_placeholders)
         })
+    }
+
+    /// The KV-cache events recorded since the last call, oldest first (none unless
+    /// `SchedulerConfig(kv_events=True)`): `("stored", request_id, first_block_index,
+    /// parent_block_id, block_ids, token_ids)` (parent 0: none; the blocks' tokens, then the
+    /// `hash_lookahead_tokens` after the last block), `("removed", block_id)`, `("cleared",)`.
+    fn take_kv_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = self.state.with(py, |st| Ok(st.inner.take_kv_events()))?;
+        let list = PyList::empty(py);
+        for e in events {
+            let item = match e {
+                KvEvent::Stored {
+                    request_id,
+                    first,
+                    parent,
+                    blocks,
+                    tokens,
+                } => (
+                    intern!(py, "stored"),
+                    request_id,
+                    first,
+                    parent,
+                    blocks,
+                    tokens,
+                )
+                    .into_pyobject(py)?,
+                KvEvent::Removed { block } => (intern!(py, "removed"), block).into_pyobject(py)?,
+                KvEvent::Cleared => PyTuple::new(py, [intern!(py, "cleared")])?,
+            };
+            list.append(item)?;
+        }
+        Ok(list)
     }
 
     /// Known tokens (prompt + outputs) of a live request.

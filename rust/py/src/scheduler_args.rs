@@ -84,6 +84,7 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
     if config.hasattr("hash_lookahead_tokens").unwrap_or(false) {
         c.hash_lookahead_tokens = count("hash_lookahead_tokens")?;
     }
+    c.kv_events = opt_flag(config, "kv_events", c.kv_events)?;
     if let Ok(v) = config.getattr("vllm_semantics") {
         let name = str_named(v.as_borrowed(), "config.vllm_semantics")?;
         c.vllm_semantics = VllmSemantics::from_name(&name).py(py)?;

@@ -128,8 +128,9 @@ struct StepScratch {
     /// Position in this step's scheduling order, per scheduled slot.
     rank: Vec<u32>,
     hits: Vec<u32>,
-    /// `update_from_output`'s second pass: (slot, tokens done) of requests with blocks to cache.
-    to_cache: Vec<(u32, usize)>,
+    /// `update_from_output`'s second pass: (rank, slot, tokens done) of requests with blocks
+    /// to cache.
+    to_cache: Vec<(u32, u32, usize)>,
 }
 
 impl StepScratch {
@@ -204,6 +205,7 @@ impl Scheduler {
             BlockHasher::new(config.hash_algo, config.block_size, &config.hash_seed)
                 .with_lookahead(config.hash_lookahead_tokens)
         });
+        kv.set_kv_events(config.kv_events);
         let rows = BatchRows::new(config.max_num_seqs, config.block_table_width())?;
         let stats = SchedulerStats {
             num_accepted_tokens_per_pos: vec![0; config.num_speculative_tokens],
@@ -603,6 +605,9 @@ impl Scheduler {
                     extra: &r.spec.extra,
                 };
                 if let Some(first_new) = self.kv.allocate_slots(&mut r.blocks, seq, args)? {
+                    if self.kv.kv_events_on() {
+                        self.kv.attribute_kv_events(&r.spec.request_id);
+                    }
                     allocated = Some(first_new);
                     break;
                 }
@@ -821,6 +826,9 @@ impl Scheduler {
                 }
                 break;
             }
+            if self.kv.kv_events_on() {
+                self.kv.attribute_kv_events(&r.spec.request_id);
+            }
             self.waiting.pop();
             let kind = if r.status == RequestStatus::Preempted {
                 EntryKind::Resumed
@@ -1032,6 +1040,12 @@ impl Scheduler {
     /// Empties the prefix cache; false while any block is held.
     pub fn reset_prefix_cache(&mut self) -> bool {
         self.kv.reset_prefix_cache()
+    }
+
+    /// Takes the KV-cache events recorded since the last call, oldest first (none unless
+    /// [`SchedulerConfig::kv_events`] is on).
+    pub fn take_kv_events(&mut self) -> Vec<crate::kv_events::KvEvent> {
+        self.kv.take_kv_events()
     }
 }
 

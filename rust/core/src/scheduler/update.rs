@@ -198,7 +198,7 @@ impl Scheduler {
                     .kv
                     .prefetch_cache_blocks(&r.blocks, r.sequence(), r.num_tokens())
                 {
-                    to_cache.push((e.slot, done));
+                    to_cache.push((e.rank, e.slot, done));
                 }
             }
             let stop_token = r.stop_token;
@@ -213,12 +213,15 @@ impl Scheduler {
                 finished.push((e.rank, e.slot, reason));
             }
         }
-        for &(slot, _) in &to_cache {
+        // Registered in scheduling order, as vLLM registers them (it walks the step's
+        // requests in that order): the order of blocks under one hash, and of KV events.
+        to_cache.sort_unstable_by_key(|&(rank, _, _)| rank);
+        for &(_, slot, _) in &to_cache {
             let r = self.store.get(slot)?;
             self.kv
                 .prefetch_cache_chains(&r.blocks, r.sequence(), r.num_tokens());
         }
-        for &(slot, done) in &to_cache {
+        for &(_, slot, done) in &to_cache {
             let r = self.store.get_mut(slot)?;
             let seq = SequenceView {
                 tokens: &r.tokens,
@@ -226,6 +229,9 @@ impl Scheduler {
                 extra: &r.spec.extra,
             };
             self.kv.cache_blocks(&mut r.blocks, seq, done);
+            if self.kv.kv_events_on() {
+                self.kv.attribute_kv_events(&r.spec.request_id);
+            }
         }
         self.scratch.to_cache = to_cache;
         // Free finished requests in scheduling order, as vLLM does: the order decides the free
