@@ -79,6 +79,13 @@ pub struct RequestSpec {
     pub prompt_token_ids: Vec<u32>,
     /// LoRA adapter and cache salt, mixed into block hashes.
     pub extra: ExtraKeys,
+    /// The LoRA adapter's id (vLLM's `lora_int_id`), 0 without one: admission keeps the
+    /// adapters of a step's requests within [`crate::SchedulerConfig::max_loras`].
+    pub lora_id: u32,
+    /// Never read prefix-cache hits for this request (vLLM's `skip_reading_prefix_cache`, set
+    /// for prompt logprobs: every prompt position must be computed); its blocks are still
+    /// cached for others.
+    pub skip_reading_prefix_cache: bool,
     /// Unique id.
     pub request_id: String,
     /// Lower value = more important (priority policy).

@@ -92,6 +92,9 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         c.pool_must_hold_max_model_len,
     )?;
     c.async_scheduling = opt_flag(config, "async_scheduling", c.async_scheduling)?;
+    if config.hasattr("max_loras").unwrap_or(false) {
+        c.max_loras = count("max_loras")?;
+    }
     c.lookahead_policy =
         LookaheadPolicy::from_name(&attr::<String>(config, "lookahead_policy")?).py(py)?;
     let speculative = get_attr(config, "config", "speculative")?;
@@ -166,6 +169,22 @@ fn opt_token(py: Python<'_>, what: &str, v: Option<Int>) -> PyResult<Option<u32>
     .transpose()
 }
 
+/// `request.lora_id` (absent or None: 0, no adapter), in `[1, 2**31 - 1]` when given.
+fn lora_id(req: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let py = req.py();
+    let Ok(v) = req.getattr(intern!(py, "lora_id")) else {
+        return Ok(0);
+    };
+    if v.is_none() {
+        return Ok(0);
+    }
+    let id = int_named(&v, "lora_id")?;
+    u32::try_from(id)
+        .ok()
+        .filter(|&id| id >= 1 && id <= i32::MAX as u32)
+        .ok_or_else(|| invalid(py, format!("lora_id = {id} is outside [1, 2**31 - 1]")))
+}
+
 /// The engine's request as the core's spec. The prompt vector is given room for the request's
 /// outputs up to `max_model_len` ([`token_capacity`]), so submitting it copies nothing.
 pub fn request_spec<'py>(req: &Bound<'py, PyAny>, max_model_len: usize) -> PyResult<RequestSpec> {
@@ -220,6 +239,8 @@ pub fn request_spec<'py>(req: &Bound<'py, PyAny>, max_model_len: usize) -> PyRes
         min_tokens: non_negative(py, "min_tokens", min_tokens)?,
         priority: int_named(&get(intern!(py, "priority"))?, "priority")?,
         arrival_time,
+        lora_id: lora_id(req)?,
+        skip_reading_prefix_cache: opt_flag(req, "skip_reading_prefix_cache", false)?,
         extra: ExtraKeys {
             lora_name: opt_str_named(Some(&get(intern!(py, "lora_name"))?), "lora_name")?,
             cache_salt: opt_str_named(Some(&get(intern!(py, "cache_salt"))?), "cache_salt")?,

@@ -738,6 +738,8 @@ impl Scheduler {
         let threshold = self.config.long_prefill_token_threshold;
         let k = self.config.num_speculative_tokens;
         let num_running_scheduled = scheduled_order.len();
+        // The LoRA adapters of the step's requests, built at the first waiting LoRA request.
+        let mut scheduled_loras: Option<Vec<u32>> = None;
         while budget.can_schedule() && self.running.len() < self.config.max_num_seqs {
             let Some(slot) = self.waiting.peek() else {
                 break;
@@ -754,10 +756,42 @@ impl Scheduler {
                 passed_over.push(slot);
                 continue;
             }
+            let lora_id = if self.config.max_loras > 0 {
+                r.spec.lora_id
+            } else {
+                0
+            };
+            if lora_id != 0 {
+                if scheduled_loras.is_none() {
+                    // vLLM 0.33 counts every running request's adapter (an unscheduled one may
+                    // join a later batch); 0.32 those of the running requests it scheduled.
+                    let counted = match self.config.vllm_semantics {
+                        VllmSemantics::V0_32 => scheduled_order.as_slice(),
+                        VllmSemantics::V0_33 => self.running.as_slice(),
+                    };
+                    scheduled_loras = Some(self.loras_of(counted)?);
+                }
+                let max_loras = self.config.max_loras;
+                let at_limit = scheduled_loras
+                    .as_ref()
+                    .is_some_and(|l| l.len() >= max_loras && !l.contains(&lora_id));
+                if at_limit {
+                    // As vLLM: admitting it would exceed max_loras; it keeps its place.
+                    self.waiting.pop();
+                    passed_over.push(slot);
+                    continue;
+                }
+            }
+            let r = self.store.get(slot)?;
             let computed_before_hits = r.num_computed_tokens;
-            let hit_tokens = self
-                .kv
-                .get_computed_blocks(r.sequence(), &mut self.scratch.hits);
+            let reads_cache = !r.spec.skip_reading_prefix_cache;
+            let hit_tokens = if reads_cache {
+                self.kv
+                    .get_computed_blocks(r.sequence(), &mut self.scratch.hits)
+            } else {
+                self.scratch.hits.clear();
+                0
+            };
             let mut num_new = r.num_tokens() - hit_tokens;
             // vLLM 0.33 (opt-in here): an admission with one token left to compute (a resume, a
             // full prefix hit) joins a decode batch as a uniform 1 + K decode with K placeholder
@@ -825,7 +859,12 @@ impl Scheduler {
             } else {
                 EntryKind::New
             };
-            if self.config.enable_prefix_caching {
+            if let Some(loras) = scheduled_loras.as_mut().filter(|_| lora_id != 0) {
+                if !loras.contains(&lora_id) {
+                    loras.push(lora_id);
+                }
+            }
+            if self.config.enable_prefix_caching && reads_cache {
                 let stats = if r.num_preemptions > 0 {
                     &mut self.stats.resumed_prefix
                 } else {
@@ -857,6 +896,18 @@ impl Scheduler {
             budget.take(num_new);
         }
         Ok(())
+    }
+
+    /// The distinct LoRA adapters (ids) of the requests in `slots`.
+    fn loras_of(&self, scheduled: &[u32]) -> CoreResult<Vec<u32>> {
+        let mut loras = Vec::new();
+        for &slot in scheduled {
+            let id = self.store.get(slot)?.spec.lora_id;
+            if id != 0 && !loras.contains(&id) {
+                loras.push(id);
+            }
+        }
+        Ok(loras)
     }
 
     /// Phase C: lay the batch out in the block table, fill `out`, advance computed tokens.
