@@ -106,10 +106,10 @@ class Request:
             self.lora_id = checked_int("lora_id", self.lora_id, 1)
             if self.lora_id > _MAX_TOKEN_ID:
                 raise InvalidArgumentError(f"lora_id = {self.lora_id} is above 2**31 - 1")
-        if self.skip_reading_prefix_cache is not False and self.skip_reading_prefix_cache is not True:
+        skip = self.skip_reading_prefix_cache
+        if skip is not False and skip is not True:
             raise ArgumentTypeError(
-                "skip_reading_prefix_cache must be a bool, got "
-                f"{type(self.skip_reading_prefix_cache).__name__}"
+                f"skip_reading_prefix_cache must be a bool, got {type(skip).__name__}"
             )
 
 

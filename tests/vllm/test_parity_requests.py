@@ -63,9 +63,7 @@ def test_lora_parity(
     offline: Any, method: str, max_loras: int, adapters: int, seed: int, in_flight: int, policy: str
 ) -> None:
     _skip_async_ngram(method, in_flight)
-    p = _params(
-        method, seed, in_flight, policy=policy, max_loras=max_loras, num_adapters=adapters
-    )
+    p = _params(method, seed, in_flight, policy=policy, max_loras=max_loras, num_adapters=adapters)
     res = Lockstep(offline, p).run()
     assert res.finished > 0
     assert res.max_step_adapters <= max_loras
