@@ -35,7 +35,10 @@ class Request:
     ``lora_name`` keys the request's blocks in the prefix cache (with ``cache_salt``);
     ``lora_id`` (>= 1) identifies its adapter for ``SchedulerConfig.max_loras``.
     ``skip_reading_prefix_cache`` reads no prefix-cache hit for it (vLLM sets it for prompt
-    logprobs, which need every prompt position computed); its blocks are still cached."""
+    logprobs, which need every prompt position computed); its blocks are still cached.
+    ``prompt_embed_hashes`` is for prompts given as embeddings (their ``prompt_token_ids`` are
+    placeholders): one 32-byte digest of each prompt block's embeddings, part of that block's
+    hash, so prompts share prefix-cache blocks only where their embeddings agree."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
@@ -50,6 +53,7 @@ class Request:
     cache_salt: Optional[str] = None
     lora_id: Optional[int] = None
     skip_reading_prefix_cache: bool = False
+    prompt_embed_hashes: Optional[Sequence[bytes]] = None
 
     def __post_init__(self) -> None:
         # Each check takes its fast path (exact types, in range) first and the full check,

@@ -94,6 +94,9 @@ class TraceParams:
     num_adapters: int = 0
     #: Chance that a request asks for prompt logprobs (it then reads no prefix-cache hit).
     prompt_logprobs_prob: float = 0.0
+    #: Chance that a request's prompt is given as embeddings (no token ids); those of the
+    #: shared-prefix requests start with the prefix's embeddings.
+    prompt_embeds_prob: float = 0.0
     #: Known dflash-rs divergences (see KNOWN_DIVERGENCES) to neutralise on the vLLM side.
     emulate: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
@@ -145,6 +148,9 @@ class TraceResult:
     #: must read no hit), and outputs that delivered prompt logprobs.
     prompt_logprob_admissions: int = 0
     prompt_logprob_outputs: int = 0
+    #: Admissions of prompt-embedding requests, and of those with a prefix-cache hit.
+    prompt_embeds_admissions: int = 0
+    prompt_embeds_hits: int = 0
 
 
 def _fail(p: TraceParams, step: int, what: str, ours: Any, vllm: Any) -> Divergence:
@@ -328,10 +334,29 @@ class Lockstep:
             sampling["ignore_eos"] = True
         sampling.update(self._features())
         rid = f"r{i}"
+        embeds = None
+        if p.prompt_embeds_prob and self.feature_rng.random() < p.prompt_embeds_prob:
+            embeds = self._embeds(len(prompt), shared=i % 2 == 0)
         for sched, hasher in ((self.vllm, self.hasher), (self.ours, None)):
-            sched.add_request(
-                self.offline.request(rid, list(prompt), max_tokens, hasher, **dict(sampling))
-            )
+            extra = dict(sampling)
+            if embeds is not None:
+                extra["prompt_embeds"] = embeds.clone()
+            tokens = None if embeds is not None else list(prompt)
+            sched.add_request(self.offline.request(rid, tokens, max_tokens, hasher, **extra))
+
+    def _embeds(self, n: int, shared: bool) -> Any:
+        """A prompt of ``n`` embeddings (the offline model's hidden size, 64); a shared one
+        starts with the trace's prefix embeddings."""
+        import torch
+
+        rng = self.feature_rng
+        if not hasattr(self, "prefix_embeds"):
+            self.prefix_embeds = rng.standard_normal((self.p.prefix_len, 64), np.float32)
+        rows = rng.standard_normal((n, 64), np.float32)
+        if shared:
+            k = min(n, self.p.prefix_len)
+            rows[:k] = self.prefix_embeds[:k]
+        return torch.from_numpy(rows)
 
     def _features(self) -> dict[str, Any]:
         """A new request's LoRA adapter and prompt logprobs (drawn from their own generator,
@@ -672,7 +697,10 @@ class Lockstep:
             self._account_loras(sv)
         for r in sv.scheduled_new_reqs:
             params = r.sampling_params
-            if params.prompt_logprobs is not None and r.prompt_token_ids[:1] == self.prefix[:1]:
+            if r.prompt_embeds is not None:
+                res.prompt_embeds_admissions += 1
+                res.prompt_embeds_hits += r.num_computed_tokens > 0
+            elif params.prompt_logprobs is not None and r.prompt_token_ids[:1] == self.prefix[:1]:
                 res.prompt_logprob_admissions += 1
         res.preemptions += len(sv.preempted_req_ids or ())
         res.spec_steps += bool(sv.scheduled_spec_decode_tokens)

@@ -1,8 +1,9 @@
 """Parity of per-request features the scheduler takes part in: LoRA adapters under vLLM's
 ``max_loras`` (a waiting request whose adapter would be one too many in the step is passed over
-and keeps its place; adapters key the prefix cache), and prompt logprobs (no prefix-cache hit is
+and keeps its place; adapters key the prefix cache), prompt logprobs (no prefix-cache hit is
 read for such a request, its blocks are still cached, and the runner's prompt logprobs reach
-its ``EngineCoreOutput``). Same lockstep driver as ``test_parity.py``.
+its ``EngineCoreOutput``) and prompts given as embeddings (no token ids; each block's
+embeddings key its prefix-cache entry). Same lockstep driver as ``test_parity.py``.
 """
 
 from __future__ import annotations
@@ -122,3 +123,47 @@ def test_lora_and_prompt_logprobs_together(offline: Any) -> None:
     p = _params("dflash", 3, max_loras=2, num_adapters=3, prompt_logprobs_prob=0.3)
     res = Lockstep(offline, p).run()
     assert res.finished > 0 and res.prompt_logprob_outputs > 0
+
+
+_PROMPT_EMBEDS = [
+    ("none", 0, 0),
+    ("none", 1, 0),
+    ("dflash", 0, 0),
+    ("eagle", 0, 0),
+    ("ngram", 1, 0),
+    ("none", 0, 2),
+    ("dflash", 1, 2),
+    ("dflash", 0, 3),
+]
+
+
+@pytest.mark.parametrize(
+    "method,seed,in_flight",
+    _PROMPT_EMBEDS,
+    ids=[f"{m}-async{i}-seed{s}" for m, s, i in _PROMPT_EMBEDS],
+)
+def test_prompt_embeds_parity(offline: Any, method: str, seed: int, in_flight: int) -> None:
+    _skip_async_ngram(method, in_flight)
+    res = Lockstep(offline, _params(method, seed, in_flight, prompt_embeds_prob=0.5)).run()
+    assert res.finished > 0
+
+
+def test_prompt_embeds_traces_hit_shared_embeddings(offline: Any) -> None:
+    """Prompt-embedding requests are admitted, some with a prefix-cache hit on the shared
+    prefix's embeddings."""
+    res = Lockstep(offline, _params("none", 2, prompt_embeds_prob=0.5)).run()
+    assert res.prompt_embeds_admissions > 0 and res.prompt_embeds_hits > 0, res
+
+
+def test_every_feature_together(offline: Any) -> None:
+    p = _params(
+        "dflash",
+        5,
+        2,
+        max_loras=2,
+        num_adapters=3,
+        prompt_logprobs_prob=0.3,
+        prompt_embeds_prob=0.3,
+    )
+    res = Lockstep(offline, p).run()
+    assert res.finished > 0 and res.prompt_embeds_admissions > 0

@@ -97,6 +97,8 @@ class OutputBuilder:
                 block_ids=(nd.block_ids,),
                 num_computed_tokens=nd.num_computed_tokens,
                 lora_request=req.lora_request,
+                prompt_embeds=req.prompt_embeds,
+                prompt_is_token_ids=req.prompt_is_token_ids,
                 prefill_token_ids=prefill,
             )
             (resumed_reqs if resumed else new_reqs).append(data)

@@ -27,8 +27,8 @@ def unsupported_reason(request: Any) -> Optional[str]:
         return "structured outputs (guided decoding) are not supported"
     if request.mm_features:
         return "multimodal inputs are not supported"
-    if request.prompt_embeds is not None or request.prompt_token_ids is None:
-        return "prompt embeddings are not supported"
+    if request.prompt_embeds is None and request.prompt_token_ids is None:
+        return "a prompt needs token ids or embeddings"
     if request.resumable:
         return "streaming-input sessions are not supported"
     if getattr(params, "repetition_detection", None) is not None:
@@ -45,13 +45,17 @@ def lora_hash_key(lora_request: Any) -> Optional[str]:
     return repr((lora_request.lora_name, lora_request.lora_path))
 
 
-def core_request(request: Any) -> CoreRequest:
-    """The dflash-rs request for a vLLM ``Request`` (stop rules from its SamplingParams)."""
+def core_request(request: Any, block_size: int) -> CoreRequest:
+    """The dflash-rs request for a vLLM ``Request`` (stop rules from its SamplingParams);
+    ``block_size`` is the prefix cache's (a prompt of embeddings is hashed per block)."""
     params = request.sampling_params
     lora = request.lora_request
+    prompt, embed_hashes = request.prompt_token_ids, None
+    if request.prompt_embeds is not None:
+        prompt, embed_hashes = prompt_embeds_keys(request, block_size)
     return CoreRequest(
         request_id=request.request_id,
-        prompt_token_ids=request.prompt_token_ids,
+        prompt_token_ids=prompt,
         max_tokens=request.max_tokens,
         eos_token_id=params.eos_token_id,
         stop_token_ids=params.stop_token_ids or (),
@@ -63,7 +67,22 @@ def core_request(request: Any) -> CoreRequest:
         lora_name=lora_hash_key(lora),
         lora_id=lora.lora_int_id if lora is not None else None,
         skip_reading_prefix_cache=request.skip_reading_prefix_cache,
+        prompt_embed_hashes=embed_hashes,
     )
+
+
+def prompt_embeds_keys(request: Any, block_size: int) -> tuple[list[int], list[bytes]]:
+    """A prompt given as embeddings: the tokens vLLM keeps for it (0 where an embedding stands)
+    and the digest of each prompt block's embeddings, from vLLM's own block-hash key
+    (``_gen_prompt_embeds_extra_hash_keys``, memoised on the request)."""
+    from vllm.v1.core.kv_cache_utils import _gen_prompt_embeds_extra_hash_keys
+
+    n = request.num_prompt_tokens
+    digests = [
+        _gen_prompt_embeds_extra_hash_keys(request, start, start + block_size)[0][1]
+        for start in range(0, n, block_size)
+    ]
+    return list(request.all_token_ids[:n]), digests
 
 
 class RequestBook:

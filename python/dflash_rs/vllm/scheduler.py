@@ -119,7 +119,7 @@ class DFlashRsScheduler(SchedulerInterface):
             self._refuse_request(request, reason)
             return
         try:
-            self._core.add_request(core_request(request))
+            self._core.add_request(core_request(request, self.block_size))
         except (PromptTooLongError, OutOfBlocksError, InvalidArgumentError) as e:
             # E.g. a prompt larger than the whole pool, which vLLM would queue forever.
             self._refuse_request(request, str(e))

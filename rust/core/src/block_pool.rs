@@ -164,10 +164,11 @@ impl BlockPool {
         parent: Option<Fingerprint>,
         tokens: &[u32],
         extra: &ExtraKeys,
+        index: usize,
     ) -> Option<Fingerprint> {
         self.provenance
             .as_ref()
-            .map(|p| p.chain(parent, tokens, extra))
+            .map(|p| p.chain(parent, tokens, extra, index))
     }
 
     /// The first block cached under `hash` that holds `tokens` at the end of the prefix
@@ -313,7 +314,7 @@ impl BlockPool {
                 &src.tokens[(src.first + i) * bs..(src.first + i + 1) * bs]
             });
             if let (Some(prov), Some(tokens)) = (&self.provenance, tokens) {
-                fingerprint = Some(prov.chain(fingerprint, tokens, src.extra));
+                fingerprint = Some(prov.chain(fingerprint, tokens, src.extra, src.first + i));
             }
             if b == NULL_BLOCK {
                 continue;
@@ -376,7 +377,10 @@ impl BlockPool {
         let bs = prov.block_size();
         src.tokens[..src.first * bs]
             .chunks_exact(bs)
-            .fold(None, |fp, block| Some(prov.chain(fp, block, src.extra)))
+            .enumerate()
+            .fold(None, |fp, (i, block)| {
+                Some(prov.chain(fp, block, src.extra, i))
+            })
     }
 
     /// Evicts `block`'s hash from the prefix cache if it is registered; returns whether it was.
@@ -460,6 +464,7 @@ mod tests {
         static NO_EXTRA: ExtraKeys = ExtraKeys {
             lora_name: None,
             cache_salt: None,
+            prompt_embed_hashes: Vec::new(),
         };
         BlockSource {
             tokens,

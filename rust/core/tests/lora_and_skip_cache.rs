@@ -126,3 +126,63 @@ fn skip_reading_prefix_cache_reads_no_hit_but_caches_its_blocks() {
     assert_eq!(out.num_scheduled_tokens[i] as usize, shared.len());
     assert_eq!(s.stats().admitted_prefix, lookups);
 }
+
+/// A prompt of embeddings: placeholder tokens (all 0), one digest per prompt block.
+fn add_embeds(s: &mut Scheduler, id: &str, digests: &[u8], len: usize) {
+    s.add_request(RequestSpec {
+        request_id: id.to_owned(),
+        prompt_token_ids: vec![0; len],
+        max_tokens: 4,
+        extra: dflash_core::ExtraKeys {
+            prompt_embed_hashes: digests.iter().map(|&d| [d; 32]).collect(),
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+}
+
+/// The prefix hit (tokens) `id` got when the next step admitted it after `first` ran.
+fn hit_after(s: &mut Scheduler, first: (&str, &[u8]), then: (&str, &[u8])) -> usize {
+    add_embeds(s, first.0, first.1, 3 * BS + 4);
+    let out = schedule(s);
+    apply(s, &out, |_| vec![100]);
+    add_embeds(s, then.0, then.1, 3 * BS + 4);
+    let out = schedule(s);
+    let i = step_ids(s, &out).iter().position(|r| r == then.0).unwrap();
+    out.num_computed_tokens[i] as usize
+}
+
+#[test]
+fn prompt_embeds_share_exactly_the_blocks_whose_embeddings_agree() {
+    let mut s = scheduler(0);
+    // Same placeholder tokens: blocks 0 and 1 agree, block 2 differs.
+    assert_eq!(
+        hit_after(&mut s, ("a", &[1, 2, 3, 4]), ("b", &[1, 2, 9, 4])),
+        2 * BS
+    );
+    let mut s = scheduler(0);
+    assert_eq!(
+        hit_after(&mut s, ("a", &[1, 2, 3, 4]), ("b", &[7, 2, 3, 4])),
+        0
+    );
+    let mut s = scheduler(0);
+    assert_eq!(
+        hit_after(&mut s, ("a", &[1, 2, 3, 4]), ("b", &[1, 2, 3, 4])),
+        3 * BS
+    );
+}
+
+/// Under a forced collision of every block hash, verified hits still keep embeddings apart
+/// (the prefix fingerprint carries the digests).
+#[cfg(feature = "fault-injection")]
+#[test]
+fn prompt_embeds_never_share_kv_under_a_hash_collision() {
+    let mut c = SchedulerConfig::new(200, BS, 512, 8, 1024);
+    c.hash_algo = dflash_core::HashAlgo::TestCollide;
+    let mut s = Scheduler::new(c).unwrap();
+    assert_eq!(
+        hit_after(&mut s, ("a", &[1, 2, 3, 4]), ("b", &[5, 6, 7, 8])),
+        0
+    );
+}

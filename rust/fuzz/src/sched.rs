@@ -427,6 +427,7 @@ impl Harness {
                     extra: ExtraKeys {
                         lora_name: lora.map(|b| if b { "a" } else { "b" }.to_owned()),
                         cache_salt: salt.map(|b| if b { "x" } else { "y" }.to_owned()),
+                        ..Default::default()
                     },
                 };
                 let before = self.snapshot();
