@@ -213,6 +213,21 @@ def prompt_logprobs(seed: int) -> dict[str, Any]:
 
 #: LoRA engines; the budget would admit every request of a case at once, were it not for
 #: max_loras.
+def prompt_embeds(seed: int) -> dict[str, Any]:
+    """Prompts given as embeddings (seeded random rows), some starting with the same 96 rows:
+    they share prefix-cache blocks with each other, never with token prompts; one prompt is
+    chunked."""
+    rng = random.Random(seed)
+    reqs = [request([], embeds=[[seed, 96], [seed + 1, 8]], max_tokens=8, wave=0)]
+    reqs += [
+        request([], embeds=[[seed, 96], [seed + 2 + i, 5 + 3 * i]], max_tokens=8, wave=1)
+        for i in range(3)
+    ]
+    reqs.append(request([], embeds=[[seed + 9, 300]], max_tokens=6, wave=1))
+    reqs.append(request(tokens(rng, 100), max_tokens=8, wave=1))
+    return {"name": "prompt-embeds", "requests": reqs, "expect": ["prefix_cache_hits"]}
+
+
 LORA = {"enable_lora": True, "max_lora_rank": 8, "max_num_batched_tokens": 2048}
 
 GROUPS = [
@@ -254,7 +269,12 @@ GROUPS = [
         engine={**SMALL_POOL, **LORA, "max_loras": 1},
     ),
     Group("llama-lora2", "llama", [lora(61), lora_arrivals(62)], engine={**LORA, "max_loras": 2}),
-    Group("qwen3-prompt", "qwen3", [prompt_logprobs(71)], engine=SMALL_POOL),
+    Group(
+        "qwen3-prompt",
+        "qwen3",
+        [prompt_logprobs(71), prompt_embeds(72)],
+        engine={**SMALL_POOL, "enable_prompt_embeds": True},
+    ),
 ]
 BY_NAME = {g.name: g for g in GROUPS}
 CASES = [(g.name, c["name"]) for g in GROUPS for c in g.cases]
