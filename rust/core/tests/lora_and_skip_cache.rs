@@ -115,7 +115,7 @@ fn skip_reading_prefix_cache_reads_no_hit_but_caches_its_blocks() {
     apply(&mut s, &out, |_| vec![100]);
     // ...but a request skipping it gets no hit although its whole prefix is cached, and its
     // lookup is not counted (vLLM counts only the lookups it makes).
-    let lookups = s.stats().admitted_prefix.clone();
+    let lookups = s.stats().admitted_prefix;
     add(&mut s, "skip2", shared.clone(), 0, true);
     let out = schedule(&mut s);
     let i = step_ids(&s, &out)
