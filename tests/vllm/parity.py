@@ -793,7 +793,8 @@ class Lockstep:
             sd = s.spec_decoding_stats
             return (
                 s.num_running_reqs,
-                s.num_waiting_reqs + s.num_skipped_waiting_reqs,
+                s.num_waiting_reqs,
+                s.num_skipped_waiting_reqs,
                 round(s.kv_cache_usage, 9),
                 s.prefix_cache_stats.reset,
                 _prefix_counters(s.prefix_cache_stats),

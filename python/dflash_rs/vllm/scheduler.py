@@ -312,9 +312,9 @@ class DFlashRsScheduler(SchedulerInterface):
         return self._make_stats(None, []) if self.log_stats else None
 
     def _make_stats(self, core_out: Any, invalid: list[tuple[int, int]]) -> SchedulerStats:
-        (running, waiting, usage, prefix, drafts, draft_tokens, accepted, per_pos, draft_pos) = (
-            self._out.bridge.stats_counters()
-        )
+        counters = self._out.bridge.stats_counters()
+        running, waiting, skipped, usage, prefix = counters[:5]
+        drafts, draft_tokens, accepted, per_pos, draft_pos = counters[5:]
         # Counted at admission, as vLLM does: first admissions, and re-admissions after a
         # preemption apart (a lookup that admitted nobody is not counted).
         old = self._prefix_snapshot
@@ -336,7 +336,9 @@ class DFlashRsScheduler(SchedulerInterface):
             )
         return SchedulerStats(
             num_running_reqs=running,
-            num_waiting_reqs=waiting,
+            # vLLM counts the requests it passed over apart (max_loras, stale output).
+            num_waiting_reqs=waiting - skipped,
+            num_skipped_waiting_reqs=skipped,
             kv_cache_usage=usage,
             prefix_cache_stats=prefix_stats,
             spec_decoding_stats=spec_stats,

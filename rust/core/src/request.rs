@@ -171,6 +171,9 @@ pub struct Request {
     pub spec: RequestSpec,
     /// Submission order (FCFS and priority tie-break).
     pub arrival_seq: u64,
+    /// Passed over at admission (`max_loras`, stale output in flight) and not admitted since:
+    /// vLLM's `deferred_waiting`, reported as skipped waiting requests.
+    pub deferred: bool,
 }
 
 impl Request {
@@ -211,6 +214,7 @@ impl Request {
             stop_token: None,
             num_output_placeholders: 0,
             num_in_flight_tokens: 0,
+            deferred: false,
         }
     }
 

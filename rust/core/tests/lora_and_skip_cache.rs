@@ -56,8 +56,24 @@ fn max_loras_passes_over_a_third_adapter_and_keeps_its_place() {
     let reqs = [("a", 1), ("b", 2), ("c", 3), ("d", 0), ("e", 1), ("f", 3)];
     let (s, admitted) = first_step(2, &reqs);
     assert_eq!(admitted, ["a", "b", "d", "e"]);
-    // The passed-over requests wait at the front, in their order.
+    // The passed-over requests wait at the front, in their order, counted as deferred.
     assert_eq!(ids(&s, &s.waiting_in_order()), ["c", "f"]);
+    assert_eq!(s.num_deferred_waiting(), 2);
+}
+
+#[test]
+fn deferred_requests_are_counted_until_admitted_or_finished() {
+    let (mut s, _) = first_step(1, &[("a", 1), ("b", 2), ("c", 3), ("d", 2)]);
+    assert_eq!(s.num_deferred_waiting(), 3);
+    s.finish_requests(["c"], dflash_core::FinishReason::Abort)
+        .unwrap();
+    assert_eq!(s.num_deferred_waiting(), 2);
+    s.finish_requests(["a"], dflash_core::FinishReason::Abort)
+        .unwrap();
+    // a's adapter is gone: b and d (adapter 2) are admitted, nothing is deferred any more.
+    let out = schedule(&mut s);
+    assert_eq!(step_ids(&s, &out), ["b", "d"]);
+    assert_eq!(s.num_deferred_waiting(), 0);
 }
 
 #[test]

@@ -182,6 +182,8 @@ pub struct Scheduler {
     abandoned_steps: Vec<u64>,
     /// Requests the scheduler ended on its own, reported by the next `update_from_output`.
     ended_unreported: Vec<EndedRequest>,
+    /// Waiting requests marked `deferred`.
+    num_deferred: usize,
 }
 
 /// Source of scheduler identities, so an output is never applied to another scheduler.
@@ -228,6 +230,7 @@ impl Scheduler {
             preempted_between_steps: Vec::new(),
             abandoned_steps: Vec::new(),
             ended_unreported: Vec::new(),
+            num_deferred: 0,
         })
     }
 
@@ -304,6 +307,12 @@ impl Scheduler {
     /// Number of waiting (incl. preempted) requests.
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
+    }
+
+    /// Waiting requests passed over at admission since they last ran or arrived (vLLM's
+    /// `num_skipped_waiting_reqs`): held back by `max_loras`, or by their stale output.
+    pub fn num_deferred_waiting(&self) -> usize {
+        self.num_deferred
     }
 
     /// Waiting slots in admission order.
@@ -752,8 +761,7 @@ impl Scheduler {
                 // As vLLM 0.33: output of a step scheduled before its preemption is still to
                 // come; resuming now could recompute positions that output delivers later.
                 // (Output to be dropped delivers nothing: such a request resumes at once.)
-                self.waiting.pop();
-                passed_over.push(slot);
+                self.pass_over(slot, passed_over)?;
                 continue;
             }
             let lora_id = if self.config.max_loras > 0 {
@@ -777,8 +785,7 @@ impl Scheduler {
                     .is_some_and(|l| l.len() >= max_loras && !l.contains(&lora_id));
                 if at_limit {
                     // As vLLM: admitting it would exceed max_loras; it keeps its place.
-                    self.waiting.pop();
-                    passed_over.push(slot);
+                    self.pass_over(slot, passed_over)?;
                     continue;
                 }
             }
@@ -854,6 +861,10 @@ impl Scheduler {
                 break;
             }
             self.waiting.pop();
+            if r.deferred {
+                r.deferred = false;
+                self.num_deferred -= 1;
+            }
             let kind = if r.status == RequestStatus::Preempted {
                 EntryKind::Resumed
             } else {
@@ -894,6 +905,19 @@ impl Scheduler {
             self.scratch.num_spec[s] = r.spec_token_ids.len() as u32;
             scheduled_order.push(slot);
             budget.take(num_new);
+        }
+        Ok(())
+    }
+
+    /// Takes the queue head `slot` out for this step (it goes back to the front after it),
+    /// marking it deferred.
+    fn pass_over(&mut self, slot: u32, passed_over: &mut Vec<u32>) -> CoreResult<()> {
+        self.waiting.pop();
+        passed_over.push(slot);
+        let r = self.store.get_mut(slot)?;
+        if !r.deferred {
+            r.deferred = true;
+            self.num_deferred += 1;
         }
         Ok(())
     }
@@ -1040,6 +1064,9 @@ impl Scheduler {
             RequestStatus::Finished(_) => return Ok(()),
         }
         let mut r = self.store.remove(slot)?;
+        if r.deferred {
+            self.num_deferred -= 1;
+        }
         self.kv.free(&mut r.blocks);
         r.status = RequestStatus::Finished(reason);
         self.finished_ids.push(r.spec.request_id);
