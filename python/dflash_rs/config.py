@@ -129,6 +129,10 @@ class SchedulerConfig:
     step (sync) or two (async) await their output: nothing can run until an output is applied
     or the step abandoned (``abandon_step``). ``refuse_idle_steps=False`` returns the empty step
     instead, as vLLM's ``Scheduler`` class does (the vLLM drop-in sets it).
+
+    ``max_loras`` caps the LoRA adapters (``Request.lora_id``) among one step's requests, as
+    vLLM's ``max_loras`` does: a waiting request whose adapter would be one too many is passed
+    over and keeps its place in the queue. 0 (the default) sets no limit.
     """
 
     num_blocks: int
@@ -154,6 +158,7 @@ class SchedulerConfig:
     vllm_semantics: str = "0.33"
     pool_must_hold_max_model_len: bool = True
     refuse_idle_steps: bool = True
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         _check_int(self, "num_blocks", 2)
@@ -164,6 +169,7 @@ class SchedulerConfig:
         _check_int(self, "long_prefill_token_threshold", 0)
         _check_int(self, "draft_slots_per_request", 0)
         _check_int(self, "hash_lookahead_tokens", 0)
+        _check_int(self, "max_loras", 0)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _check_bool("verify_prefix_hits", self.verify_prefix_hits)

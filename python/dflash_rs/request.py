@@ -30,7 +30,15 @@ def _check_token(name: str, value: Any) -> int:
 class Request:
     """One generation request. ``prompt_token_ids`` may be a list or a 1-D integer array (any
     integer dtype); its values are checked when the scheduler admits it (in Rust, without a
-    Python loop). Int fields take numpy integers too (stored as ints), never bools."""
+    Python loop). Int fields take numpy integers too (stored as ints), never bools.
+
+    ``lora_name`` keys the request's blocks in the prefix cache (with ``cache_salt``);
+    ``lora_id`` (>= 1) identifies its adapter for ``SchedulerConfig.max_loras``.
+    ``skip_reading_prefix_cache`` reads no prefix-cache hit for it (vLLM sets it for prompt
+    logprobs, which need every prompt position computed); its blocks are still cached.
+    ``prompt_embed_hashes`` is for prompts given as embeddings (their ``prompt_token_ids`` are
+    placeholders): one 32-byte digest of each prompt block's embeddings, part of that block's
+    hash, so prompts share prefix-cache blocks only where their embeddings agree."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
@@ -43,6 +51,9 @@ class Request:
     arrival_time: Optional[float] = None
     lora_name: Optional[str] = None
     cache_salt: Optional[str] = None
+    lora_id: Optional[int] = None
+    skip_reading_prefix_cache: bool = False
+    prompt_embed_hashes: Optional[Sequence[bytes]] = None
 
     def __post_init__(self) -> None:
         # Each check takes its fast path (exact types, in range) first and the full check,
@@ -95,6 +106,15 @@ class Request:
             raise ArgumentTypeError("lora_name must be a str or None")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ArgumentTypeError("cache_salt must be a str or None")
+        if self.lora_id is not None:
+            self.lora_id = checked_int("lora_id", self.lora_id, 1)
+            if self.lora_id > _MAX_TOKEN_ID:
+                raise InvalidArgumentError(f"lora_id = {self.lora_id} is above 2**31 - 1")
+        skip = self.skip_reading_prefix_cache
+        if skip is not False and skip is not True:
+            raise ArgumentTypeError(
+                f"skip_reading_prefix_cache must be a bool, got {type(skip).__name__}"
+            )
 
 
 @dataclass

@@ -130,9 +130,13 @@ def target_weights(
     return w
 
 
+#: LoRA adapters written per target (``lora-<target>-<i>`` in the model paths, i from 1).
+NUM_LORAS = 3
+
+
 def write_models(root: str) -> dict[str, str]:
-    """Writes one directory per entry of ``MODELS`` (weights for ``TARGETS``); returns
-    name -> path."""
+    """Writes one directory per entry of ``MODELS`` (weights for ``TARGETS``) and
+    ``NUM_LORAS`` LoRA adapters per target; returns name -> path."""
     from safetensors.numpy import save_file
 
     paths = {}
@@ -143,8 +147,68 @@ def write_models(root: str) -> dict[str, str]:
             json.dump(config, f)
         if name in TARGETS:
             save_file(target_weights(config, seed), os.path.join(path, "model.safetensors"))
+            for i in range(1, NUM_LORAS + 1):
+                paths[f"lora-{name}-{i}"] = write_lora(root, name, config, 100 * seed + i)
         paths[name] = path
     return paths
+
+
+#: LoRA adapters (PEFT format) the real-engine tests generate for the targets: rank and the
+#: projections they adapt.
+LORA_RANK = 8
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_weights(config: dict[str, Any], seed: int, scale: float = 0.5) -> dict[str, np.ndarray]:
+    """Seeded LoRA A/B matrices of rank ``LORA_RANK`` for every projection of ``config``'s
+    layers (PEFT names). B is not zero, so each adapter changes the model's outputs."""
+    rng = np.random.default_rng(seed)
+    h, inter, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    shapes = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
+    w = {}
+    for i in range(config["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            part = "mlp" if module.endswith(("gate_proj", "up_proj", "down_proj")) else "self_attn"
+            p = f"base_model.model.model.layers.{i}.{part}.{module}."
+            a = rng.normal(0.0, fan_in**-0.5, (LORA_RANK, fan_in))
+            b = rng.normal(0.0, scale * LORA_RANK**-0.5, (fan_out, LORA_RANK))
+            w[p + "lora_A.weight"] = a.astype(np.float32)
+            w[p + "lora_B.weight"] = b.astype(np.float32)
+    return w
+
+
+def write_lora(root: str, target: str, config: dict[str, Any], seed: int) -> str:
+    """Writes a LoRA adapter directory (``adapter_config.json`` + safetensors) for the model
+    ``target`` (at ``config``); returns its path."""
+    from safetensors.numpy import save_file
+
+    path = os.path.join(root, f"lora-{target}-{seed}")
+    os.makedirs(path, exist_ok=True)
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": LORA_RANK,
+        "lora_alpha": 2 * LORA_RANK,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(LORA_MODULES),
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "base_model_name_or_path": target,
+    }
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(adapter, f)
+    save_file(lora_weights(config, seed), os.path.join(path, "adapter_model.safetensors"))
+    return path
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -154,7 +218,7 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 def request(prompt: list[int], **params: Any) -> dict[str, Any]:
     """One request of a case; ``priority``, ``wave`` and ``arrive`` are not sampling params."""
     r: dict[str, Any] = {"prompt": prompt}
-    for key in ("priority", "wave", "arrive"):
+    for key in ("priority", "wave", "arrive", "lora", "embeds"):
         if key in params:
             r[key] = params.pop(key)
     r["params"] = params
@@ -182,12 +246,14 @@ class Group:
                 spec["model"] = models[spec["model"]]
                 spec.setdefault("draft_load_config", {"load_format": "dummy"})
             engine["speculative_config"] = spec
+        loras = {k: v for k, v in models.items() if k.startswith(f"lora-{self.target}-")}
         return {
             "engine": engine,
             "scheduler": scheduler,
             "cases": self.cases,
             "out": out,
             "kv_events": self.kv_events,
+            "loras": loras,
         }
 
 

@@ -8,9 +8,12 @@ included), ``scheduler`` (``"vllm"`` for vLLM's own, ``"dflash-rs"`` for
 
 A case is ``{"name", "requests": [{"prompt", "params", ...}], "engine"?, "abort"?}``:
 ``prompt`` is a token-id list, ``params`` ``SamplingParams`` keyword arguments (greedy and
-``detokenize=False`` unless given), ``priority`` optional. Without ``engine`` the requests go to
-``LLM.generate``, one call per ``wave`` (default 0, in order). With ``engine`` the worker drives
-``LLM.llm_engine`` (the ``LLMEngine`` that ``LLM`` builds with ``from_engine_args``) itself:
+``detokenize=False`` unless given), ``priority`` optional, ``lora`` the index of one of
+the spec's ``loras`` adapters (``{"lora-<target>-<i>": path}``), ``embeds`` a list of
+``[seed, length]`` segments: the prompt is then those seeded random embeddings (``prompt`` is
+ignored). Without ``engine`` the requests go to ``LLM.generate``, one call per ``wave``
+(default 0, in order). With ``engine`` the worker drives ``LLM.llm_engine`` (the
+``LLMEngine`` that ``LLM`` builds with ``from_engine_args``) itself:
 ``add_request`` before step ``arrive`` (default 0), ``step()`` until all have finished, and
 ``abort_request`` for request ``i`` right after ``abort[i]`` steps. ``reset_after`` calls
 ``LLM.reset_prefix_cache()`` after the case.
@@ -157,25 +160,70 @@ def sampling_params(params: dict[str, Any]) -> Any:
     return SamplingParams(**({"temperature": 0.0, "detokenize": False} | params))
 
 
+def prompt_logprobs(out: Any) -> Any:
+    """A request's prompt logprobs as JSON: per position, sorted ``[token, logprob (4
+    decimals), rank]`` rows (None for the first position)."""
+    if out.prompt_logprobs is None:
+        return None
+    return [
+        None if pos is None else sorted([t, round(lp.logprob, 4), lp.rank] for t, lp in pos.items())
+        for pos in out.prompt_logprobs
+    ]
+
+
 def completions(out: Any) -> list[dict[str, Any]]:
-    return [{"token_ids": list(c.token_ids), "finish_reason": c.finish_reason} for c in out.outputs]
+    res = [{"token_ids": list(c.token_ids), "finish_reason": c.finish_reason} for c in out.outputs]
+    plp = prompt_logprobs(out)
+    if plp is not None:
+        res[0]["prompt_logprobs"] = plp
+    return res
 
 
-def run_generate(llm: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
+class Inputs:
+    """A case request's prompt (token ids or seeded embeddings) and LoRA request."""
+
+    def __init__(self, llm: Any, loras: dict[str, str]) -> None:
+        self.hidden = llm.llm_engine.model_config.get_hidden_size()
+        self.loras = loras
+
+    def prompt(self, r: dict[str, Any]) -> dict[str, Any]:
+        if "embeds" not in r:
+            return {"prompt_token_ids": r["prompt"]}
+        import torch
+
+        parts = []
+        for seed, length in r["embeds"]:
+            gen = torch.Generator().manual_seed(seed)
+            parts.append(torch.randn(length, self.hidden, generator=gen))
+        return {"prompt_embeds": torch.cat(parts)}
+
+    def lora(self, r: dict[str, Any]) -> Any:
+        if r.get("lora") is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        i = r["lora"]
+        path = next(p for name, p in self.loras.items() if name.endswith(f"-{i}"))
+        return LoRARequest(f"adapter{i}", i, path)
+
+
+def run_generate(llm: Any, requests: list[dict[str, Any]], inputs: Inputs) -> dict[str, Any]:
     results: dict[str, Any] = {}
     waves = sorted({r.get("wave", 0) for r in requests})
     for wave in waves:
         idx = [i for i, r in enumerate(requests) if r.get("wave", 0) == wave]
-        prompts = [{"prompt_token_ids": requests[i]["prompt"]} for i in idx]
+        prompts = [inputs.prompt(requests[i]) for i in idx]
         params = [sampling_params(requests[i]["params"]) for i in idx]
         priority = [requests[i].get("priority", 0) for i in idx]
-        outs = llm.generate(prompts, params, use_tqdm=False, priority=priority)
+        loras = [inputs.lora(requests[i]) for i in idx]
+        lora = loras if any(x is not None for x in loras) else None
+        outs = llm.generate(prompts, params, use_tqdm=False, priority=priority, lora_request=lora)
         for i, out in zip(idx, outs):
             results[str(i)] = completions(out)
     return results
 
 
-def run_steps(llm: Any, case: dict[str, Any]) -> dict[str, Any]:
+def run_steps(llm: Any, case: dict[str, Any], inputs: Inputs) -> dict[str, Any]:
     """Drives ``LLMEngine`` step by step: request ``i`` is added before step ``arrive`` (default
     0) and aborted after ``abort[i]`` steps (a no-op if it has finished by then)."""
     engine = llm.llm_engine
@@ -188,8 +236,13 @@ def run_steps(llm: Any, case: dict[str, Any]) -> dict[str, Any]:
         for rid, r in zip(ids, requests):
             if r.get("arrive", 0) == steps:
                 params = sampling_params(r["params"])
-                prompt = {"prompt_token_ids": r["prompt"]}
-                engine.add_request(rid, prompt, params, priority=r.get("priority", 0))
+                engine.add_request(
+                    rid,
+                    inputs.prompt(r),
+                    params,
+                    priority=r.get("priority", 0),
+                    lora_request=inputs.lora(r),
+                )
         for out in engine.step():
             latest[out.request_id] = out
         steps += 1
@@ -246,15 +299,16 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     trace: list[Any] = []
     record_schedule(core.scheduler, trace)
     subscriber = EventSubscriber(*endpoints) if endpoints else None
+    inputs = Inputs(llm, spec.get("loras", {}))
     for case in spec["cases"]:
         t = time.perf_counter()
         before = counters(llm)
         del trace[:]
         try:
             if case.get("engine"):
-                outputs = run_steps(llm, case)
+                outputs = run_steps(llm, case, inputs)
             else:
-                outputs = run_generate(llm, case["requests"])
+                outputs = run_generate(llm, case["requests"], inputs)
         except Exception as e:
             doc["cases"][case["name"]] = {
                 "error": f"{type(e).__name__}: {e}",

@@ -160,6 +160,76 @@ def priority_arrivals(seed: int) -> dict[str, Any]:
     }
 
 
+def lora(seed: int) -> dict[str, Any]:
+    """Nine requests over three adapters and none, most with a 96-token shared prefix: with
+    max_loras below three, admissions wait for the adapters in use; requests of one adapter
+    share prefix hits, other adapters and the base model do not."""
+    rng = random.Random(seed)
+    shared = tokens(rng, 96)
+    adapters = [1, 2, 1, None, 3, 2, 1, None, 3]
+    reqs = [
+        request(shared + tokens(rng, 10 + i) if i % 4 else tokens(rng, 40), max_tokens=16, lora=a)
+        for i, a in enumerate(adapters)
+    ]
+    # One prompt with adapter 2 and without: the adapter changes what the model generates.
+    same = tokens(rng, 24)
+    reqs += [request(same, max_tokens=16, lora=2), request(same, max_tokens=16)]
+    return {
+        "name": "lora",
+        "requests": reqs,
+        "engine": True,
+        "expect": ["prefix_cache_hits"],
+        "differ": ["9", "10"],
+    }
+
+
+def lora_arrivals(seed: int) -> dict[str, Any]:
+    """LoRA requests arriving between steps (LLMEngine), one aborted while it waits or runs."""
+    rng = random.Random(seed)
+    plan = [(1, 0), (2, 0), (2, 2), (None, 3), (3, 3), (1, 6), (3, 9)]
+    reqs = [
+        request(tokens(rng, 30 + 7 * i), max_tokens=20, lora=a, arrive=t)
+        for i, (a, t) in enumerate(plan)
+    ]
+    return {"name": "lora-arrivals", "requests": reqs, "engine": True, "abort": {"4": 5}}
+
+
+def prompt_logprobs(seed: int) -> dict[str, Any]:
+    """Prompt logprobs, some requests sharing a cached prefix: they read no hit (every prompt
+    position is computed) but cache their blocks for the others; one prompt is chunked."""
+    rng = random.Random(seed)
+    shared = tokens(rng, 96)
+    reqs = [request(shared + tokens(rng, 8), max_tokens=8, wave=0)]
+    reqs += [
+        request(
+            shared + tokens(rng, 8 + i), max_tokens=8, prompt_logprobs=2 if i % 2 else 0, wave=1
+        )
+        for i in range(4)
+    ]
+    reqs.append(request(tokens(rng, 300), max_tokens=4, prompt_logprobs=1, wave=1))
+    reqs.append(request(shared + tokens(rng, 20), max_tokens=8, wave=2))
+    return {"name": "prompt-logprobs", "requests": reqs, "expect": ["prefix_cache_hits"]}
+
+
+#: LoRA engines; the budget would admit every request of a case at once, were it not for
+#: max_loras.
+def prompt_embeds(seed: int) -> dict[str, Any]:
+    """Prompts given as embeddings (seeded random rows), some starting with the same 96 rows:
+    they share prefix-cache blocks with each other, never with token prompts; one prompt is
+    chunked."""
+    rng = random.Random(seed)
+    reqs = [request([], embeds=[[seed, 96], [seed + 1, 8]], max_tokens=8, wave=0)]
+    reqs += [
+        request([], embeds=[[seed, 96], [seed + 2 + i, 5 + 3 * i]], max_tokens=8, wave=1)
+        for i in range(3)
+    ]
+    reqs.append(request([], embeds=[[seed + 9, 300]], max_tokens=6, wave=1))
+    reqs.append(request(tokens(rng, 100), max_tokens=8, wave=1))
+    return {"name": "prompt-embeds", "requests": reqs, "expect": ["prefix_cache_hits"]}
+
+
+LORA = {"enable_lora": True, "max_lora_rank": 8, "max_num_batched_tokens": 2048}
+
 GROUPS = [
     Group(
         "qwen3-none", "qwen3", [mixed(1), prefix(2), preempt(3), abort(4), n2(5)], engine=SMALL_POOL
@@ -191,6 +261,19 @@ GROUPS = [
         [mixed(41), prefix(42), preempt(43), abort(44)],
         spec=EAGLE,
         engine=SMALL_POOL,
+    ),
+    Group(
+        "qwen3-lora1",
+        "qwen3",
+        [lora(51), lora_arrivals(52)],
+        engine={**SMALL_POOL, **LORA, "max_loras": 1},
+    ),
+    Group("llama-lora2", "llama", [lora(61), lora_arrivals(62)], engine={**LORA, "max_loras": 2}),
+    Group(
+        "qwen3-prompt",
+        "qwen3",
+        [prompt_logprobs(71), prompt_embeds(72)],
+        engine={**SMALL_POOL, "enable_prompt_embeds": True},
     ),
 ]
 BY_NAME = {g.name: g for g in GROUPS}
@@ -302,3 +385,58 @@ def test_same_stats(runs: Runs, group: str, case: str) -> None:
     diff = {k: {"vllm": r["stats"][k], "dflash-rs": o["stats"][k]} for k in r["stats"]}
     diff = {k: v for k, v in diff.items() if v["vllm"] != v["dflash-rs"]}
     assert not diff, f"counters differ: {diff}"
+
+
+LORA_CASES = [(g, c) for g, c in CASES if BY_NAME[g].engine.get("enable_lora")]
+
+
+@pytest.mark.parametrize(("group", "case"), LORA_CASES, ids=[f"{g}-{c}" for g, c in LORA_CASES])
+def test_lora_premise(runs: Runs, group: str, case: str) -> None:
+    """In vLLM's run (and so in ours, which schedules the same steps): no step schedules more
+    than max_loras adapters, some step schedules exactly that many while a request of another
+    adapter waits, and where the case says so the adapter changes the generated tokens."""
+    r, _ = served(runs, group, case)
+    spec = next(c for c in BY_NAME[group].cases if c["name"] == case)
+    max_loras = BY_NAME[group].engine["max_loras"]
+    adapter = {f"{case}-{i}": q.get("lora") for i, q in enumerate(spec["requests"])}
+    arrive = {f"{case}-{i}": q.get("arrive", 0) for i, q in enumerate(spec["requests"])}
+    aborted_at = {f"{case}-{i}": s for i, s in spec.get("abort", {}).items()}
+    admitted: set[str] = set()
+    steps, limited = 0, 0
+    for entry in r["schedule"]:
+        if "scheduled" not in entry:
+            continue
+        ids = {row[0] for row in entry["scheduled"]}
+        used = {adapter[i] for i in ids} - {None}
+        assert len(used) <= max_loras, entry
+        # Requests that have arrived and were never scheduled wait for admission.
+        waiting = [
+            i
+            for i in adapter
+            if arrive[i] <= steps and i not in admitted | ids and aborted_at.get(i, 1e9) > steps
+        ]
+        limited += len(used) == max_loras and any(
+            adapter[i] is not None and adapter[i] not in used for i in waiting
+        )
+        admitted |= ids
+        steps += 1
+    assert limited > 0, "max_loras never held a request back"
+    if "differ" in spec:
+        a, b = (r["outputs"][i][0]["token_ids"] for i in spec["differ"])
+        assert a != b, "the adapter did not change the generated tokens"
+
+
+def test_prompt_logprobs_premise(runs: Runs) -> None:
+    """Every prompt-logprob request got its prompt logprobs, one per prompt position (the
+    first is None), in vLLM's run (test_same_outputs compares ours to them)."""
+    r, _ = served(runs, "qwen3-prompt", "prompt-logprobs")
+    spec = next(c for c in BY_NAME["qwen3-prompt"].cases if c["name"] == "prompt-logprobs")
+    asked = 0
+    for i, q in enumerate(spec["requests"]):
+        if q["params"].get("prompt_logprobs") is None:
+            continue
+        asked += 1
+        plp = r["outputs"][str(i)][0]["prompt_logprobs"]
+        assert len(plp) == len(q["prompt"]) and plp[0] is None
+        assert all(pos for pos in plp[1:])
+    assert asked == 5

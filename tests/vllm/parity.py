@@ -92,6 +92,15 @@ class TraceParams:
     #: event by event. Odd seeds build dflash-rs's requests without the engine's block hasher,
     #: so that every hash it publishes is its own.
     kv_events: bool = False
+    #: LoRA: vLLM's ``max_loras`` (0: no LoRA config) and the adapters requests draw from (a
+    #: quarter of the requests use none).
+    max_loras: int = 0
+    num_adapters: int = 0
+    #: Chance that a request asks for prompt logprobs (it then reads no prefix-cache hit).
+    prompt_logprobs_prob: float = 0.0
+    #: Chance that a request's prompt is given as embeddings (no token ids); those of the
+    #: shared-prefix requests start with the prefix's embeddings.
+    prompt_embeds_prob: float = 0.0
     #: Known dflash-rs divergences (see KNOWN_DIVERGENCES) to neutralise on the vLLM side.
     emulate: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
@@ -138,6 +147,17 @@ class TraceResult:
     #: KV events: batches published, events by class name.
     kv_event_batches: int = 0
     kv_events: dict[str, int] = field(default_factory=dict)
+    #: LoRA: steps whose admissions stopped at max_loras adapters while a request with another
+    #: adapter waited; the most adapters among one step's requests.
+    lora_limited_steps: int = 0
+    max_step_adapters: int = 0
+    #: Admissions of prompt-logprob requests whose prompt starts with the shared prefix (they
+    #: must read no hit), and outputs that delivered prompt logprobs.
+    prompt_logprob_admissions: int = 0
+    prompt_logprob_outputs: int = 0
+    #: Admissions of prompt-embedding requests, and of those with a prefix-cache hit.
+    prompt_embeds_admissions: int = 0
+    prompt_embeds_hits: int = 0
 
 
 def _fail(p: TraceParams, step: int, what: str, ours: Any, vllm: Any) -> Divergence:
@@ -232,6 +252,7 @@ def _norm_engine(outs: dict[int, Any]) -> dict[str, tuple]:
                 list(o.new_token_ids),
                 None if o.finish_reason is None else int(o.finish_reason),
                 o.stop_reason,
+                getattr(o, "new_prompt_logprobs_tensors", None),
             )
     return res
 
@@ -283,6 +304,9 @@ class Lockstep:
         self.rng = np.random.default_rng(p.seed)
         self.order_rng = np.random.default_rng(p.seed + 10_000)  # keeps self.rng's draws
         self.event_rng = np.random.default_rng(p.seed + 20_000)  # resets and pauses
+        self.feature_rng = np.random.default_rng(p.seed + 30_000)  # LoRA, prompt logprobs
+        #: Prompt-logprob requests whose prompt logprobs the fabricated runner returned.
+        self.prompt_logprobs_sent: set[str] = set()
         self.prefix = self.rng.integers(FIRST_TOKEN, VOCAB, p.prefix_len).tolist()
         self.next_id = 0
         self.res = TraceResult()
@@ -298,6 +322,11 @@ class Lockstep:
             # The null publisher: the trace puts a recorder in its place on both.
             events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
             extra["vllm"] = {**extra.get("vllm", {}), "kv_events_config": events}
+        if p.max_loras:
+            from vllm.config import LoRAConfig
+
+            lora = LoRAConfig(max_loras=p.max_loras, max_lora_rank=8)
+            extra["vllm"] = {**extra.get("vllm", {}), "lora_config": lora}
         cfg, kv = offline.configs(
             num_blocks=p.num_blocks,
             method=p.method,
@@ -343,11 +372,66 @@ class Lockstep:
             sampling["min_tokens"] = int(rng.integers(0, max_tokens + 1))
         if rng.random() < 0.1:
             sampling["ignore_eos"] = True
+        sampling.update(self._features())
         rid = f"r{i}"
+        embeds = None
+        if p.prompt_embeds_prob and self.feature_rng.random() < p.prompt_embeds_prob:
+            embeds = self._embeds(len(prompt), shared=i % 2 == 0)
         for sched, hasher in ((self.vllm, self.hasher), (self.ours, self.our_hasher)):
-            sched.add_request(
-                self.offline.request(rid, list(prompt), max_tokens, hasher, **dict(sampling))
-            )
+            extra = dict(sampling)
+            if embeds is not None:
+                extra["prompt_embeds"] = embeds.clone()
+            tokens = None if embeds is not None else list(prompt)
+            sched.add_request(self.offline.request(rid, tokens, max_tokens, hasher, **extra))
+
+    def _embeds(self, n: int, shared: bool) -> Any:
+        """A prompt of ``n`` embeddings (the offline model's hidden size, 64); a shared one
+        starts with the trace's prefix embeddings."""
+        import torch
+
+        rng = self.feature_rng
+        if not hasattr(self, "prefix_embeds"):
+            self.prefix_embeds = rng.standard_normal((self.p.prefix_len, 64), np.float32)
+        rows = rng.standard_normal((n, 64), np.float32)
+        if shared:
+            k = min(n, self.p.prefix_len)
+            rows[:k] = self.prefix_embeds[:k]
+        return torch.from_numpy(rows)
+
+    def _features(self) -> dict[str, Any]:
+        """A new request's LoRA adapter and prompt logprobs (drawn from their own generator,
+        so traces without them are unchanged)."""
+        p, rng = self.p, self.feature_rng
+        out: dict[str, Any] = {}
+        if p.num_adapters and rng.random() < 0.75:
+            from vllm.lora.request import LoRARequest
+
+            j = int(rng.integers(1, p.num_adapters + 1))
+            out["lora_request"] = LoRARequest(f"adapter{j}", j, f"/adapters/{j}")
+        if p.prompt_logprobs_prob and rng.random() < p.prompt_logprobs_prob:
+            out["prompt_logprobs"] = int(rng.integers(0, 3))
+        return out
+
+    def _prompt_logprobs(
+        self, req_ids: list[str], samples: Optional[dict[str, bool]] = None
+    ) -> dict[str, Any]:
+        """``prompt_logprobs_dict`` as vLLM's runner fills it: None while a prompt-logprob
+        request's prompt is in chunks, its logprobs (here a tag) with the step that ends its
+        prefill, nothing after."""
+        out: dict[str, Any] = {}
+        for rid in req_ids:
+            req = self.vllm.requests.get(rid)
+            if req is None or req.sampling_params.prompt_logprobs is None:
+                continue
+            if rid in self.prompt_logprobs_sent:
+                continue
+            in_chunks = req.is_prefill_chunk if samples is None else not samples[rid]
+            if in_chunks:
+                out[rid] = None
+            else:
+                out[rid] = f"prompt-logprobs-{rid}"
+                self.prompt_logprobs_sent.add(rid)
+        return out
 
     def _runner_output(self, so: Any) -> Any:
         from vllm.v1.outputs import ModelRunnerOutput
@@ -376,6 +460,7 @@ class Lockstep:
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            prompt_logprobs_dict=self._prompt_logprobs(req_ids),
         )
 
     def _drafts(self, so: Any) -> Optional[Any]:
@@ -512,6 +597,7 @@ class Lockstep:
                 {k: a.get(k) for k in keys if a.get(k) != b.get(k)},
             )
         self.res.finished += sum(1 for x in a.values() if x[2] is not None)
+        self.res.prompt_logprob_outputs += sum(1 for x in a.values() if x[4] is not None)
         self._compare_stats(step, ov, od)
         self._compare_events(step)
 
@@ -667,10 +753,22 @@ class Lockstep:
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            prompt_logprobs_dict=self._prompt_logprobs(
+                req_ids, {rid: plan[rid][0] for rid in req_ids}
+            ),
         )
 
     def _account(self, sv: Any) -> None:
         res = self.res
+        if self.p.max_loras:
+            self._account_loras(sv)
+        for r in sv.scheduled_new_reqs:
+            params = r.sampling_params
+            if r.prompt_embeds is not None:
+                res.prompt_embeds_admissions += 1
+                res.prompt_embeds_hits += r.num_computed_tokens > 0
+            elif params.prompt_logprobs is not None and r.prompt_token_ids[:1] == self.prefix[:1]:
+                res.prompt_logprob_admissions += 1
         res.preemptions += len(sv.preempted_req_ids or ())
         res.spec_steps += bool(sv.scheduled_spec_decode_tokens)
         res.max_running = max(res.max_running, self.vllm.get_request_counts()[0])
@@ -680,6 +778,20 @@ class Lockstep:
                 r.prompt_token_ids or []
             )
         res.resumed += len(sv.scheduled_cached_reqs.resumed_req_ids)
+
+    def _account_loras(self, sv: Any) -> None:
+        res, requests = self.res, self.vllm.requests
+        adapters = {
+            requests[rid].lora_request.lora_int_id
+            for rid in sv.num_scheduled_tokens
+            if requests[rid].lora_request is not None
+        }
+        res.max_step_adapters = max(res.max_step_adapters, len(adapters))
+        if len(adapters) == self.p.max_loras and any(
+            r.lora_request is not None and r.lora_request.lora_int_id not in adapters
+            for r in self.vllm.waiting
+        ):
+            res.lora_limited_steps += 1
 
     def _compare_state(self, step: int, when: str) -> None:
         v, d, p = self.vllm, self.ours, self.p
@@ -748,7 +860,8 @@ class Lockstep:
             sd = s.spec_decoding_stats
             return (
                 s.num_running_reqs,
-                s.num_waiting_reqs + s.num_skipped_waiting_reqs,
+                s.num_waiting_reqs,
+                s.num_skipped_waiting_reqs,
                 round(s.kv_cache_usage, 9),
                 s.prefix_cache_stats.reset,
                 _prefix_counters(s.prefix_cache_stats),

@@ -154,7 +154,6 @@ def test_refused_config(offline: Any, kwargs: dict[str, Any], words: str) -> Non
 OVERRIDES = [
     ("kv_transfer_config", object(), "KV connectors"),
     ("ec_transfer_config", object(), "encoder-cache connectors"),
-    ("lora_config", object(), "LoRA"),
     ("model_config.is_multimodal_model", True, "multimodal"),
     ("model_config.is_encoder_decoder", True, "encoder-decoder"),
     ("model_config.runner_type", "pooling", "pooling"),
@@ -220,9 +219,8 @@ def _structured(offline: Any) -> Any:
     "make,words",
     [
         (_structured, "structured outputs"),
-        (lambda o: o.request("pl", [20] * 20, 4, prompt_logprobs=1), "prompt logprobs"),
     ],
-    ids=["structured-outputs", "prompt-logprobs"],
+    ids=["structured-outputs"],
 )
 def test_refused_request(scheduler: Any, offline: Any, make: Any, words: str) -> None:
     request = make(offline)

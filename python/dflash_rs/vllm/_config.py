@@ -168,7 +168,6 @@ def _check_engine(vllm_config: Any) -> None:
             "encoder-cache connectors",
             "drop --ec-transfer-config",
         ),
-        (vllm_config.lora_config is not None, "LoRA (max_loras limits)", "drop --enable-lora"),
         (
             model.is_multimodal_model or model.supports_multimodal_inputs,
             "multimodal encoders",
@@ -295,6 +294,8 @@ def translate_config(
         draft_slots_per_request=(
             vllm_config.speculative_config.max_num_new_slots_for_drafting if speculative else 0
         ),
+        # vLLM's limit on the adapters of one step's requests (none without LoRA).
+        max_loras=vllm_config.lora_config.max_loras if vllm_config.lora_config else 0,
     )
     return Translated(
         config=config,

@@ -156,14 +156,15 @@ class KvEvents:
             hashes.append(self.external(block_hash))
             extra_keys.append(extra)
         more = {"lookahead_token_ids": lookahead_ids} if lookahead else {}
+        lora = request.lora_request
         event = self.BlockStored(
             block_hashes=hashes,
             parent_block_hash=None if parent_hash is None else self.external(parent_hash),
             token_ids=token_ids[: len(block_ids) * bs],
             block_size=bs,
-            lora_id=None,
+            lora_id=lora.adapter_id if lora else None,
             medium=self.medium,
-            lora_name=None,
+            lora_name=lora.name if lora else None,
             extra_keys=self.to_event_extra_keys(extra_keys),
             group_idx=0,
             session_id=request.session_id,

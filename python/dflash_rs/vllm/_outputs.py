@@ -4,7 +4,7 @@ The per-request parts are built in Rust, in one pass (``dflash_rs._core._VllmBri
 ``CachedRequestData`` lists, ``num_scheduled_tokens``, ``scheduled_spec_decode_tokens``, and one
 ``EngineCoreOutput`` per request that only got tokens. Python builds what needs vLLM's
 ``Request`` objects: ``NewRequestData`` of admissions, and the outputs that carry events,
-prefill stats, logprobs or a finish.
+prefill stats, logprobs, prompt logprobs or a finish.
 """
 
 from __future__ import annotations
@@ -96,7 +96,9 @@ class OutputBuilder:
                 pooling_params=None,
                 block_ids=(nd.block_ids,),
                 num_computed_tokens=nd.num_computed_tokens,
-                lora_request=None,
+                lora_request=req.lora_request,
+                prompt_embeds=req.prompt_embeds,
+                prompt_is_token_ids=req.prompt_is_token_ids,
                 prefill_token_ids=prefill,
             )
             (resumed_reqs if resumed else new_reqs).append(data)
@@ -132,6 +134,11 @@ class OutputBuilder:
         self.num_finished = 0
         book = self.book
         single_client = book.num_other_clients == 0
+        prompt_logprobs = runner_output.prompt_logprobs_dict
+        token_id_logprobs = runner_output.prompt_token_id_logprobs_dict
+        if prompt_logprobs or token_id_logprobs or book.prompt_logprobs_due:
+            # Requests with prompt logprobs to deliver take the slow path for this output.
+            book.deliver_prompt_logprobs(prompt_logprobs, token_id_logprobs)
         outputs, slow, finished, ids = self.bridge.engine_outputs(
             out,
             runner_output,
@@ -170,7 +177,7 @@ class OutputBuilder:
         finished_dict: Optional[dict[int, set[str]]],
     ) -> Any:
         """The output of a request that needs more than its tokens: first output (prefill
-        stats), events, logprobs, NaN counts, or the final one."""
+        stats), events, logprobs, prompt logprobs, NaN counts, or the final one."""
         book = self.book
         request = book.requests[rid]
         kwargs: dict[str, Any] = {}
@@ -184,6 +191,14 @@ class OutputBuilder:
         if logprobs is not None and request.sampling_params.num_logprobs is not None:
             index = runner_output.req_id_to_index[rid]
             kwargs["new_logprobs"] = logprobs.slice_request(index, len(tokens))
+        if rid in book.prompt_logprobs_due:
+            book.prompt_logprobs_due.discard(rid)
+            prompt = runner_output.prompt_logprobs_dict.get(rid)
+            if prompt is not None:
+                kwargs["new_prompt_logprobs_tensors"] = prompt
+            token_ids = runner_output.prompt_token_id_logprobs_dict.get(rid)
+            if token_ids is not None:
+                kwargs["prompt_token_id_logprobs"] = token_ids
         nans = runner_output.num_nans_in_logits
         if nans and rid in nans:
             request.num_nans_in_logits = nans[rid]

@@ -27,25 +27,35 @@ def unsupported_reason(request: Any) -> Optional[str]:
         return "structured outputs (guided decoding) are not supported"
     if request.mm_features:
         return "multimodal inputs are not supported"
-    if request.prompt_embeds is not None or request.prompt_token_ids is None:
-        return "prompt embeddings are not supported"
-    if request.lora_request is not None:
-        return "LoRA adapters are not supported"
+    if request.prompt_embeds is None and request.prompt_token_ids is None:
+        return "a prompt needs token ids or embeddings"
     if request.resumable:
         return "streaming-input sessions are not supported"
-    if params.prompt_logprobs is not None or request.skip_reading_prefix_cache:
-        return "prompt logprobs (requests that skip the prefix cache) are not supported"
     if getattr(params, "repetition_detection", None) is not None:
         return "repetition detection is not supported"
     return None
 
 
-def core_request(request: Any) -> CoreRequest:
-    """The dflash-rs request for a vLLM ``Request`` (stop rules from its SamplingParams)."""
+def lora_hash_key(lora_request: Any) -> Optional[str]:
+    """What keys a LoRA request's blocks in the prefix cache: the adapter's name and path, as
+    vLLM's block hashes (``_gen_lora_extra_hash_keys``, 0.32 and 0.33), so an adapter re-pointed
+    at another path shares no KV with the old one."""
+    if lora_request is None:
+        return None
+    return repr((lora_request.lora_name, lora_request.lora_path))
+
+
+def core_request(request: Any, block_size: int) -> CoreRequest:
+    """The dflash-rs request for a vLLM ``Request`` (stop rules from its SamplingParams);
+    ``block_size`` is the prefix cache's (a prompt of embeddings is hashed per block)."""
     params = request.sampling_params
+    lora = request.lora_request
+    prompt, embed_hashes = request.prompt_token_ids, None
+    if request.prompt_embeds is not None:
+        prompt, embed_hashes = prompt_embeds_keys(request, block_size)
     return CoreRequest(
         request_id=request.request_id,
-        prompt_token_ids=request.prompt_token_ids,
+        prompt_token_ids=prompt,
         max_tokens=request.max_tokens,
         eos_token_id=params.eos_token_id,
         stop_token_ids=params.stop_token_ids or (),
@@ -54,7 +64,25 @@ def core_request(request: Any) -> CoreRequest:
         priority=request.priority,
         arrival_time=request.arrival_time,
         cache_salt=request.cache_salt,
+        lora_name=lora_hash_key(lora),
+        lora_id=lora.lora_int_id if lora is not None else None,
+        skip_reading_prefix_cache=request.skip_reading_prefix_cache,
+        prompt_embed_hashes=embed_hashes,
     )
+
+
+def prompt_embeds_keys(request: Any, block_size: int) -> tuple[list[int], list[bytes]]:
+    """A prompt given as embeddings: the tokens vLLM keeps for it (0 where an embedding stands)
+    and the digest of each prompt block's embeddings, from vLLM's own block-hash key
+    (``_gen_prompt_embeds_extra_hash_keys``, memoised on the request)."""
+    from vllm.v1.core.kv_cache_utils import _gen_prompt_embeds_extra_hash_keys
+
+    n = request.num_prompt_tokens
+    digests = [
+        _gen_prompt_embeds_extra_hash_keys(request, start, start + block_size)[0][1]
+        for start in range(0, n, block_size)
+    ]
+    return list(request.all_token_ids[:n]), digests
 
 
 class RequestBook:
@@ -85,6 +113,8 @@ class RequestBook:
         #: With KV-cache events: requests finished since the events were last collected (their
         #: last registered blocks still need the request). None without events.
         self.recently_finished: Optional[dict[str, Any]] = None
+        #: Requests whose prompt logprobs the runner returned with the output being applied.
+        self.prompt_logprobs_due: set[str] = set()
 
     def add(self, request: Any) -> None:
         rid = request.request_id
@@ -102,8 +132,20 @@ class RequestBook:
     def refresh_slow_path(self, rid: str) -> None:
         """After an output: whether the request's next one still needs the slow path."""
         if rid not in self.with_events and rid not in self.no_output_yet:
-            if rid not in self.always_slow:
+            if rid not in self.always_slow and rid not in self.prompt_logprobs_due:
                 self.slow_path.discard(rid)
+
+    def deliver_prompt_logprobs(self, prompt_logprobs: Any, token_id_logprobs: Any) -> None:
+        """The runner returned prompt logprobs (``ModelRunnerOutput.prompt_logprobs_dict``,
+        None while a prompt is still in chunks; ``prompt_token_id_logprobs_dict``): their
+        requests' outputs of this step carry them, so they take the slow path for it."""
+        due = [rid for rid, lp in prompt_logprobs.items() if lp is not None]
+        due.extend(token_id_logprobs)
+        self.prompt_logprobs_due.clear()
+        for rid in due:
+            if rid in self.requests:
+                self.prompt_logprobs_due.add(rid)
+                self.slow_path.add(rid)
 
     def admitted(self, rid: str, num_computed_tokens: int, resumed: bool, now: float) -> None:
         """A waiting (or preempted) request was scheduled."""
@@ -163,6 +205,7 @@ class RequestBook:
         self.no_output_yet.discard(rid)
         self.with_events.discard(rid)
         self.always_slow.discard(rid)
+        self.prompt_logprobs_due.discard(rid)
         self.slow_path.discard(rid)
         if request.client_index:
             self.num_other_clients -= 1

@@ -203,9 +203,17 @@ class OfflineVllm:
         **sampling: Any,
     ) -> Any:
         """A vLLM ``Request``; ``sampling`` holds extra ``SamplingParams`` arguments, plus
-        ``priority``, ``arrival_time`` and ``client_index`` (for the request) and
-        ``eos_token_id`` (set as the engine's input processor does)."""
-        keys = ("priority", "arrival_time", "client_index")
+        ``priority``, ``arrival_time``, ``client_index``, ``lora_request``, ``cache_salt`` and
+        ``prompt_embeds`` (for the request) and ``eos_token_id`` (set as the engine's input
+        processor does)."""
+        keys = (
+            "priority",
+            "arrival_time",
+            "client_index",
+            "lora_request",
+            "cache_salt",
+            "prompt_embeds",
+        )
         extra = {k: sampling.pop(k) for k in keys if k in sampling}
         eos = sampling.pop("eos_token_id", None)
         params = self._SamplingParams(max_tokens=max_tokens, **sampling)

@@ -136,7 +136,7 @@ class DFlashRsScheduler(SchedulerInterface):
             self._refuse_request(request, reason)
             return
         try:
-            self._core.add_request(core_request(request))
+            self._core.add_request(core_request(request, self.block_size))
         except (PromptTooLongError, OutOfBlocksError, InvalidArgumentError) as e:
             # E.g. a prompt larger than the whole pool, which vLLM would queue forever.
             self._refuse_request(request, str(e))
@@ -339,9 +339,9 @@ class DFlashRsScheduler(SchedulerInterface):
         return self._make_stats(None, []) if self.log_stats else None
 
     def _make_stats(self, core_out: Any, invalid: list[tuple[int, int]]) -> SchedulerStats:
-        (running, waiting, usage, prefix, drafts, draft_tokens, accepted, per_pos, draft_pos) = (
-            self._out.bridge.stats_counters()
-        )
+        counters = self._out.bridge.stats_counters()
+        running, waiting, skipped, usage, prefix = counters[:5]
+        drafts, draft_tokens, accepted, per_pos, draft_pos = counters[5:]
         # Counted at admission, as vLLM does: first admissions, and re-admissions after a
         # preemption apart (a lookup that admitted nobody is not counted).
         old = self._prefix_snapshot
@@ -363,7 +363,9 @@ class DFlashRsScheduler(SchedulerInterface):
             )
         return SchedulerStats(
             num_running_reqs=running,
-            num_waiting_reqs=waiting,
+            # vLLM counts the requests it passed over apart (max_loras, stale output).
+            num_waiting_reqs=waiting - skipped,
+            num_skipped_waiting_reqs=skipped,
             kv_cache_usage=usage,
             prefix_cache_stats=prefix_stats,
             spec_decoding_stats=spec_stats,

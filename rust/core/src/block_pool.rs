@@ -231,10 +231,11 @@ impl BlockPool {
         parent: Option<Fingerprint>,
         tokens: &[u32],
         extra: &ExtraKeys,
+        index: usize,
     ) -> Option<Fingerprint> {
         self.provenance
             .as_ref()
-            .map(|p| p.chain(parent, tokens, extra))
+            .map(|p| p.chain(parent, tokens, extra, index))
     }
 
     /// The first block cached under `hash` that holds `tokens` at the end of the prefix
@@ -391,7 +392,7 @@ impl BlockPool {
                 &src.tokens[(src.first + i) * bs..(src.first + i + 1) * bs]
             });
             if let (Some(prov), Some(tokens)) = (&self.provenance, tokens) {
-                fingerprint = Some(prov.chain(fingerprint, tokens, src.extra));
+                fingerprint = Some(prov.chain(fingerprint, tokens, src.extra, src.first + i));
             }
             if b == NULL_BLOCK {
                 continue;
@@ -454,7 +455,10 @@ impl BlockPool {
         let bs = prov.block_size();
         src.tokens[..src.first * bs]
             .chunks_exact(bs)
-            .fold(None, |fp, block| Some(prov.chain(fp, block, src.extra)))
+            .enumerate()
+            .fold(None, |fp, (i, block)| {
+                Some(prov.chain(fp, block, src.extra, i))
+            })
     }
 
     /// Evicts `block`'s hash from the prefix cache if it is registered; returns whether it was.
@@ -545,6 +549,7 @@ mod tests {
         static NO_EXTRA: ExtraKeys = ExtraKeys {
             lora_name: None,
             cache_salt: None,
+            prompt_embed_hashes: Vec::new(),
         };
         BlockSource {
             tokens,

@@ -79,6 +79,9 @@ pub struct SchedulerConfig {
     /// does (the vLLM drop-in turns it off: vLLM's engine decides how many steps it keeps in
     /// flight).
     pub refuse_idle_steps: bool,
+    /// Most LoRA adapters among one step's requests (vLLM's `max_loras`): a waiting request
+    /// with another adapter is passed over while that many are scheduled. 0: no limit.
+    pub max_loras: usize,
 }
 
 impl SchedulerConfig {
@@ -115,6 +118,7 @@ impl SchedulerConfig {
             vllm_semantics: VllmSemantics::V0_33,
             pool_must_hold_max_model_len: true,
             refuse_idle_steps: true,
+            max_loras: 0,
         }
     }
 

@@ -2,8 +2,9 @@
 //!
 //! `hash_i = H(hash_{i-1} || tokens_i || extra_i)`, with `hash_{-1}` the hasher's root (derived from
 //! a seed). The byte encoding is length-prefixed and tagged so that no two different inputs share
-//! bytes. Extra keys: the LoRA name (every block) and the cache salt (first block only), so
-//! tenants with different salts or adapters never share a block.
+//! bytes. Extra keys: the LoRA name (every block), the cache salt (first block only) and, for a
+//! prompt given as embeddings, a digest of each block's embeddings, so tenants with different
+//! salts or adapters, and prompts with different embeddings, never share a block.
 
 use sha2::{Digest, Sha256};
 
@@ -66,12 +67,25 @@ pub struct ExtraKeys {
     pub lora_name: Option<String>,
     /// Per-tenant cache salt; part of the first block's hash (and so of every later one).
     pub cache_salt: Option<String>,
+    /// A prompt given as embeddings (its tokens are placeholders): a digest of block `i`'s
+    /// embedding rows, part of block `i`'s hash (vLLM's per-block `prompt_embeds` key). Empty
+    /// for token prompts.
+    pub prompt_embed_hashes: Vec<BlockHash>,
+}
+
+impl ExtraKeys {
+    /// The key of block `index` beyond the LoRA name and salt (a prompt-embedding digest).
+    #[inline]
+    pub fn block_key(&self, index: usize) -> Option<&BlockHash> {
+        self.prompt_embed_hashes.get(index)
+    }
 }
 
 const TAG_LORA: u8 = 1;
 const TAG_SALT: u8 = 2;
+const TAG_EMBEDS: u8 = 3;
 /// The tokens after a block that its hash also covers (see [`BlockHasher::with_lookahead`]).
-const TAG_LOOKAHEAD: u8 = 3;
+const TAG_LOOKAHEAD: u8 = 4;
 
 /// Computes chained block hashes with one algorithm and root.
 #[derive(Debug, Clone)]
@@ -126,18 +140,18 @@ impl BlockHasher {
         self.block_size
     }
 
-    /// Hash of one full block given its parent's hash (None for the first block) and the
-    /// [`Self::lookahead`] tokens after it (empty without lookahead).
+    /// Hash of full block `index` given its parent's hash (None for the first block) and
+    /// the [`Self::lookahead`] tokens after it (empty without lookahead).
     pub fn hash_block(
         &self,
         parent: Option<&BlockHash>,
         tokens: &[u32],
         lookahead: &[u32],
         extra: &ExtraKeys,
-        is_first_block: bool,
+        index: usize,
     ) -> BlockHash {
         let parent = parent.unwrap_or(&self.root);
-        let salt = if is_first_block {
+        let salt = if index == 0 {
             extra.cache_salt.as_deref()
         } else {
             None
@@ -162,6 +176,7 @@ impl BlockHasher {
             (TAG_LORA, extra.lora_name.as_deref().map(str::as_bytes)),
             (TAG_SALT, salt.map(str::as_bytes)),
             (TAG_LOOKAHEAD, lookahead_bytes),
+            (TAG_EMBEDS, extra.block_key(index).map(|k| k.as_slice())),
         ];
         if self.algo == HashAlgo::Sha256 {
             // The usual block (about 100 bytes) is encoded straight into a padded SHA-256
@@ -198,7 +213,7 @@ impl BlockHasher {
             let block = &tokens[i * self.block_size..end];
             let lookahead = &tokens[end..end + self.lookahead];
             let parent = if i == 0 { None } else { Some(&hashes[i - 1]) };
-            let h = self.hash_block(parent, block, lookahead, extra, i == 0);
+            let h = self.hash_block(parent, block, lookahead, extra, i);
             hashes.push(h);
         }
     }
@@ -209,7 +224,7 @@ impl BlockHasher {
 const INLINE_BLOCK_BYTES: usize = 384;
 
 /// The extra keys a block's encoding carries, with their tags.
-type TaggedExtras<'a> = [(u8, Option<&'a [u8]>); 3];
+type TaggedExtras<'a> = [(u8, Option<&'a [u8]>); 4];
 
 /// Length of a block's canonical encoding.
 fn encoded_len(tokens: &[u32], extras: &TaggedExtras<'_>) -> usize {
@@ -289,6 +304,7 @@ mod tests {
         let extra = ExtraKeys {
             lora_name: Some("l".into()),
             cache_salt: Some("s".into()),
+            ..Default::default()
         };
         let tokens: Vec<u32> = (0..23).collect();
         let mut batch = Vec::new();
@@ -331,14 +347,42 @@ mod tests {
         }
     }
 
+    /// Placeholder tokens with different embedding digests never share a block; equal digests
+    /// share the prefix they agree on.
+    #[test]
+    fn prompt_embed_digests_key_their_blocks() {
+        let h = hasher(HashAlgo::Sha256);
+        let tokens = [0u32; 12];
+        let embeds = |digests: &[u8]| ExtraKeys {
+            prompt_embed_hashes: digests.iter().map(|&d| [d; HASH_BYTES]).collect(),
+            ..Default::default()
+        };
+        let hashes = |extra: &ExtraKeys| {
+            let mut v = Vec::new();
+            h.extend_hashes(&mut v, &tokens, extra);
+            v
+        };
+        let (a, b, plain) = (
+            hashes(&embeds(&[1, 2])),
+            hashes(&embeds(&[1, 3])),
+            hashes(&ExtraKeys::default()),
+        );
+        assert_eq!(a[0], b[0], "same first-block embeddings");
+        assert_ne!(a[1], b[1]);
+        assert_ne!(a[0], plain[0]);
+        // Past the prompt's blocks the chain alone keys the block.
+        assert_ne!(a[2], plain[2]);
+        assert_ne!(a[2], b[2]);
+    }
+
     #[test]
     fn seed_changes_root() {
         let a = BlockHasher::new(HashAlgo::Sha256, 2, b"x");
         let b = BlockHasher::new(HashAlgo::Sha256, 2, b"y");
         let e = ExtraKeys::default();
         assert_ne!(
-            a.hash_block(None, &[1, 2], &[], &e, true),
-            b.hash_block(None, &[1, 2], &[], &e, true)
+            a.hash_block(None, &[1, 2], &[], &e, 0),
+            b.hash_block(None, &[1, 2], &[], &e, 0)
         );
     }
 
@@ -388,6 +432,7 @@ mod tests {
         let extra = ExtraKeys {
             lora_name: Some("lora".into()),
             cache_salt: Some("salt".into()),
+            ..Default::default()
         };
         let tokens: Vec<u32> = (0..40).map(|i| i * 7919 + 3).collect();
         for algo in [HashAlgo::Sha256, HashAlgo::Blake3, HashAlgo::Xxh3_128] {

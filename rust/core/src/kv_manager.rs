@@ -220,7 +220,9 @@ impl KvCacheManager {
         let mut fingerprint = None;
         for (i, hash) in seq.block_hashes[..max_hit_blocks].iter().enumerate() {
             let tokens = &seq.tokens[i * bs..(i + 1) * bs];
-            fingerprint = self.pool.prefix_fingerprint(fingerprint, tokens, seq.extra);
+            fingerprint = self
+                .pool
+                .prefix_fingerprint(fingerprint, tokens, seq.extra, i);
             match self.pool.find_cached_block(hash, tokens, fingerprint) {
                 Some(b) => hits.push(b),
                 None => break,
@@ -311,7 +313,9 @@ impl KvCacheManager {
         for (i, &b) in hits.iter().enumerate().take_while(|_| check_hits) {
             // Hits lie below num_tokens - 1 (checked above), so the block's tokens exist.
             let tokens = &seq.tokens[i * bs..(i + 1) * bs];
-            fingerprint = self.pool.prefix_fingerprint(fingerprint, tokens, seq.extra);
+            fingerprint = self
+                .pool
+                .prefix_fingerprint(fingerprint, tokens, seq.extra, i);
             let is_prefix = (b as usize) < self.pool.num_blocks()
                 && seq.block_hashes.get(i).is_some_and(|h| {
                     self.pool.block_hash(b) == Some(h)

@@ -58,15 +58,23 @@ impl Provenance {
         self.block_size
     }
 
-    /// The fingerprint of a prefix whose last block holds `tokens`, chained to `parent` (the
-    /// fingerprint of the prefix before it; `None` for a sequence's first block).
+    /// The fingerprint of a prefix whose last block, block `index`, holds `tokens`, chained to
+    /// `parent` (the fingerprint of the prefix before it; `None` for a sequence's first block).
     pub fn chain(
         &self,
         parent: Option<Fingerprint>,
         tokens: &[u32],
         extra: &ExtraKeys,
+        index: usize,
     ) -> Fingerprint {
-        let parent = parent.unwrap_or_else(|| self.root(extra));
+        let mut parent = parent.unwrap_or_else(|| self.root(extra));
+        if let Some(key) = extra.block_key(index) {
+            // A prompt given as embeddings: its placeholder tokens say nothing, its digest does.
+            let mut bytes = [0u8; 16 + crate::hashing::HASH_BYTES];
+            bytes[..16].copy_from_slice(&parent.to_le_bytes());
+            bytes[16..].copy_from_slice(key);
+            parent = xxh3_128_with_seed(&bytes, self.key);
+        }
         // One-shot XXH3 over a stack buffer: the streaming state would derive a seeded secret
         // on every call, which costs more than hashing a block. The usual block sizes get a
         // buffer of their exact size, which is written whole and so never zeroed first.
@@ -161,7 +169,7 @@ mod tests {
             let mut bytes = parent.to_le_bytes().to_vec();
             bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
             assert_eq!(
-                prov.chain(Some(parent), &tokens, &ExtraKeys::default()),
+                prov.chain(Some(parent), &tokens, &ExtraKeys::default(), 1),
                 xxh3_128_with_seed(&bytes, prov.key),
                 "{len} tokens"
             );

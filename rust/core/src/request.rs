@@ -79,6 +79,13 @@ pub struct RequestSpec {
     pub prompt_token_ids: Vec<u32>,
     /// LoRA adapter and cache salt, mixed into block hashes.
     pub extra: ExtraKeys,
+    /// The LoRA adapter's id (vLLM's `lora_int_id`), 0 without one: admission keeps the
+    /// adapters of a step's requests within [`crate::SchedulerConfig::max_loras`].
+    pub lora_id: u32,
+    /// Never read prefix-cache hits for this request (vLLM's `skip_reading_prefix_cache`, set
+    /// for prompt logprobs: every prompt position must be computed); its blocks are still
+    /// cached for others.
+    pub skip_reading_prefix_cache: bool,
     /// Unique id.
     pub request_id: String,
     /// Lower value = more important (priority policy).
@@ -164,6 +171,9 @@ pub struct Request {
     pub spec: RequestSpec,
     /// Submission order (FCFS and priority tie-break).
     pub arrival_seq: u64,
+    /// Passed over at admission (`max_loras`, stale output in flight) and not admitted since:
+    /// vLLM's `deferred_waiting`, reported as skipped waiting requests.
+    pub deferred: bool,
 }
 
 impl Request {
@@ -204,6 +214,7 @@ impl Request {
             stop_token: None,
             num_output_placeholders: 0,
             num_in_flight_tokens: 0,
+            deferred: false,
         }
     }
 

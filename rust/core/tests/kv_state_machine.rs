@@ -1121,6 +1121,7 @@ fn extra_of(lora: Option<u8>, salt: Option<u8>) -> ExtraKeys {
     ExtraKeys {
         lora_name: lora.map(|l| format!("lora-{l}")),
         cache_salt: salt.map(|s| format!("salt-{s}")),
+        ..Default::default()
     }
 }
 

@@ -345,6 +345,7 @@ impl Harness {
                 let extra = ExtraKeys {
                     lora_name: lora.map(|b| if b { "a" } else { "b" }.to_owned()),
                     cache_salt: salt.map(|b| if b { "x" } else { "y" }.to_owned()),
+                    ..Default::default()
                 };
                 let mut hashes = Vec::new();
                 if self.caching {

@@ -422,9 +422,12 @@ impl Harness {
                         Arrival::NaN => f64::NAN,
                         Arrival::Inf => f64::INFINITY,
                     },
+                    lora_id: lora.map_or(0, |b| if b { 1 } else { 2 }),
+                    skip_reading_prefix_cache: false,
                     extra: ExtraKeys {
                         lora_name: lora.map(|b| if b { "a" } else { "b" }.to_owned()),
                         cache_salt: salt.map(|b| if b { "x" } else { "y" }.to_owned()),
+                        ..Default::default()
                     },
                 };
                 let before = self.snapshot();

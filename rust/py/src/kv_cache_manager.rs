@@ -147,6 +147,7 @@ impl PyKvCacheManager {
             let extra = ExtraKeys {
                 lora_name,
                 cache_salt,
+                ..Default::default()
             };
             let mut hashes = Vec::new();
             if this.inner.pool().caching_enabled() {

@@ -3,7 +3,8 @@
 use dflash_core::lookahead::{LookaheadPolicy, SpecMethod};
 use dflash_core::request::token_capacity;
 use dflash_core::{
-    ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec, SchedulerConfig, VllmSemantics,
+    BlockHash, ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec, SchedulerConfig,
+    VllmSemantics,
 };
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -96,6 +97,9 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         c.pool_must_hold_max_model_len,
     )?;
     c.async_scheduling = opt_flag(config, "async_scheduling", c.async_scheduling)?;
+    if config.hasattr("max_loras").unwrap_or(false) {
+        c.max_loras = count("max_loras")?;
+    }
     c.lookahead_policy =
         LookaheadPolicy::from_name(&attr::<String>(config, "lookahead_policy")?).py(py)?;
     let speculative = get_attr(config, "config", "speculative")?;
@@ -170,6 +174,54 @@ fn opt_token(py: Python<'_>, what: &str, v: Option<Int>) -> PyResult<Option<u32>
     .transpose()
 }
 
+/// `request.lora_id` (absent or None: 0, no adapter), in `[1, 2**31 - 1]` when given.
+fn lora_id(req: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let py = req.py();
+    let Ok(v) = req.getattr(intern!(py, "lora_id")) else {
+        return Ok(0);
+    };
+    if v.is_none() {
+        return Ok(0);
+    }
+    let id = int_named(&v, "lora_id")?;
+    u32::try_from(id)
+        .ok()
+        .filter(|&id| id >= 1 && id <= i32::MAX as u32)
+        .ok_or_else(|| invalid(py, format!("lora_id = {id} is outside [1, 2**31 - 1]")))
+}
+
+/// `request.prompt_embed_hashes` (absent or None: none): one 32-byte digest per prompt block.
+fn prompt_embed_hashes(req: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
+    let py = req.py();
+    let Ok(v) = req.getattr(intern!(py, "prompt_embed_hashes")) else {
+        return Ok(Vec::new());
+    };
+    if v.is_none() {
+        return Ok(Vec::new());
+    }
+    let not_digests = || {
+        wrong_type(
+            py,
+            format!(
+                "prompt_embed_hashes must be a sequence of 32-byte bytes, got {}",
+                type_name(&v)
+            ),
+        )
+    };
+    let items: Vec<Vec<u8>> = v.extract().map_err(|e| unless_fatal(py, e, not_digests))?;
+    items
+        .into_iter()
+        .map(|d| {
+            BlockHash::try_from(d.as_slice()).map_err(|_| {
+                invalid(
+                    py,
+                    format!("prompt_embed_hashes: a digest of {} bytes, not 32", d.len()),
+                )
+            })
+        })
+        .collect()
+}
+
 /// The engine's request as the core's spec. The prompt vector is given room for the request's
 /// outputs up to `max_model_len` ([`token_capacity`]), so submitting it copies nothing.
 pub fn request_spec<'py>(req: &Bound<'py, PyAny>, max_model_len: usize) -> PyResult<RequestSpec> {
@@ -224,9 +276,12 @@ pub fn request_spec<'py>(req: &Bound<'py, PyAny>, max_model_len: usize) -> PyRes
         min_tokens: non_negative(py, "min_tokens", min_tokens)?,
         priority: int_named(&get(intern!(py, "priority"))?, "priority")?,
         arrival_time,
+        lora_id: lora_id(req)?,
+        skip_reading_prefix_cache: opt_flag(req, "skip_reading_prefix_cache", false)?,
         extra: ExtraKeys {
             lora_name: opt_str_named(Some(&get(intern!(py, "lora_name"))?), "lora_name")?,
             cache_salt: opt_str_named(Some(&get(intern!(py, "cache_salt"))?), "cache_salt")?,
+            prompt_embed_hashes: prompt_embed_hashes(req)?,
         },
     };
     if spec.min_tokens > spec.max_tokens {

@@ -109,9 +109,11 @@ pub struct PyVllmBridge {
     state: Guarded<BridgeState>,
 }
 
-/// `(num_running, num_waiting, kv_cache_usage, prefix, num_drafts, num_draft_tokens,
-/// num_accepted_tokens, accepted_per_pos, draft_tokens_per_pos)`: see `stats_counters`.
+/// `(num_running, num_waiting, num_skipped_waiting, kv_cache_usage, prefix, num_drafts,
+/// num_draft_tokens, num_accepted_tokens, accepted_per_pos, draft_tokens_per_pos)`: see
+/// `stats_counters`.
 type StatsCounters = (
+    usize,
     usize,
     usize,
     f64,
@@ -412,6 +414,7 @@ impl PyVllmBridge {
             Ok((
                 inner.running().len(),
                 inner.num_waiting(),
+                inner.num_deferred_waiting(),
                 inner.kv().usage(),
                 [a.requests, a.queries, a.hits, r.requests, r.queries, r.hits],
                 s.num_drafts,

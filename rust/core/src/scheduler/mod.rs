@@ -183,6 +183,8 @@ pub struct Scheduler {
     abandoned_steps: Vec<u64>,
     /// Requests the scheduler ended on its own, reported by the next `update_from_output`.
     ended_unreported: Vec<EndedRequest>,
+    /// Waiting requests marked `deferred`.
+    num_deferred: usize,
 }
 
 /// Source of scheduler identities, so an output is never applied to another scheduler.
@@ -232,6 +234,7 @@ impl Scheduler {
             preempted_between_steps: Vec::new(),
             abandoned_steps: Vec::new(),
             ended_unreported: Vec::new(),
+            num_deferred: 0,
         })
     }
 
@@ -308,6 +311,12 @@ impl Scheduler {
     /// Number of waiting (incl. preempted) requests.
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
+    }
+
+    /// Waiting requests passed over at admission since they last ran or arrived (vLLM's
+    /// `num_skipped_waiting_reqs`): held back by `max_loras`, or by their stale output.
+    pub fn num_deferred_waiting(&self) -> usize {
+        self.num_deferred
     }
 
     /// Waiting slots in admission order.
@@ -745,6 +754,8 @@ impl Scheduler {
         let threshold = self.config.long_prefill_token_threshold;
         let k = self.config.num_speculative_tokens;
         let num_running_scheduled = scheduled_order.len();
+        // The LoRA adapters of the step's requests, built at the first waiting LoRA request.
+        let mut scheduled_loras: Option<Vec<u32>> = None;
         while budget.can_schedule() && self.running.len() < self.config.max_num_seqs {
             let Some(slot) = self.waiting.peek() else {
                 break;
@@ -757,14 +768,44 @@ impl Scheduler {
                 // As vLLM 0.33: output of a step scheduled before its preemption is still to
                 // come; resuming now could recompute positions that output delivers later.
                 // (Output to be dropped delivers nothing: such a request resumes at once.)
-                self.waiting.pop();
-                passed_over.push(slot);
+                self.pass_over(slot, passed_over)?;
                 continue;
             }
+            let lora_id = if self.config.max_loras > 0 {
+                r.spec.lora_id
+            } else {
+                0
+            };
+            if lora_id != 0 {
+                if scheduled_loras.is_none() {
+                    // vLLM 0.33 counts every running request's adapter (an unscheduled one may
+                    // join a later batch); 0.32 those of the running requests it scheduled.
+                    let counted = match self.config.vllm_semantics {
+                        VllmSemantics::V0_32 => scheduled_order.as_slice(),
+                        VllmSemantics::V0_33 => self.running.as_slice(),
+                    };
+                    scheduled_loras = Some(self.loras_of(counted)?);
+                }
+                let max_loras = self.config.max_loras;
+                let at_limit = scheduled_loras
+                    .as_ref()
+                    .is_some_and(|l| l.len() >= max_loras && !l.contains(&lora_id));
+                if at_limit {
+                    // As vLLM: admitting it would exceed max_loras; it keeps its place.
+                    self.pass_over(slot, passed_over)?;
+                    continue;
+                }
+            }
+            let r = self.store.get(slot)?;
             let computed_before_hits = r.num_computed_tokens;
-            let hit_tokens = self
-                .kv
-                .get_computed_blocks(r.sequence(), &mut self.scratch.hits);
+            let reads_cache = !r.spec.skip_reading_prefix_cache;
+            let hit_tokens = if reads_cache {
+                self.kv
+                    .get_computed_blocks(r.sequence(), &mut self.scratch.hits)
+            } else {
+                self.scratch.hits.clear();
+                0
+            };
             let mut num_new = r.num_tokens() - hit_tokens;
             // vLLM 0.33 (opt-in here): an admission with one token left to compute (a resume, a
             // full prefix hit) joins a decode batch as a uniform 1 + K decode with K placeholder
@@ -830,12 +871,21 @@ impl Scheduler {
                 self.kv.attribute_kv_events(&r.spec.request_id);
             }
             self.waiting.pop();
+            if r.deferred {
+                r.deferred = false;
+                self.num_deferred -= 1;
+            }
             let kind = if r.status == RequestStatus::Preempted {
                 EntryKind::Resumed
             } else {
                 EntryKind::New
             };
-            if self.config.enable_prefix_caching {
+            if let Some(loras) = scheduled_loras.as_mut().filter(|_| lora_id != 0) {
+                if !loras.contains(&lora_id) {
+                    loras.push(lora_id);
+                }
+            }
+            if self.config.enable_prefix_caching && reads_cache {
                 let stats = if r.num_preemptions > 0 {
                     &mut self.stats.resumed_prefix
                 } else {
@@ -867,6 +917,31 @@ impl Scheduler {
             budget.take(num_new);
         }
         Ok(())
+    }
+
+    /// Takes the queue head `slot` out for this step (it goes back to the front after it),
+    /// marking it deferred.
+    fn pass_over(&mut self, slot: u32, passed_over: &mut Vec<u32>) -> CoreResult<()> {
+        self.waiting.pop();
+        passed_over.push(slot);
+        let r = self.store.get_mut(slot)?;
+        if !r.deferred {
+            r.deferred = true;
+            self.num_deferred += 1;
+        }
+        Ok(())
+    }
+
+    /// The distinct LoRA adapters (ids) of the requests in `slots`.
+    fn loras_of(&self, scheduled: &[u32]) -> CoreResult<Vec<u32>> {
+        let mut loras = Vec::new();
+        for &slot in scheduled {
+            let id = self.store.get(slot)?.spec.lora_id;
+            if id != 0 && !loras.contains(&id) {
+                loras.push(id);
+            }
+        }
+        Ok(loras)
     }
 
     /// Phase C: lay the batch out in the block table, fill `out`, advance computed tokens.
@@ -999,6 +1074,9 @@ impl Scheduler {
             RequestStatus::Finished(_) => return Ok(()),
         }
         let mut r = self.store.remove(slot)?;
+        if r.deferred {
+            self.num_deferred -= 1;
+        }
         self.kv.free(&mut r.blocks);
         r.status = RequestStatus::Finished(reason);
         self.finished_ids.push(r.spec.request_id);
