@@ -333,9 +333,15 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
+    run_and_exit(serve)
+
+
+def run_and_exit(run: Any) -> None:
+    """Runs ``run(spec)`` on the JSON spec of ``argv[1]``, writes its result (or the error) to
+    ``spec["out"]`` and exits at once (an in-process engine's teardown is slow and noisy)."""
     spec = json.loads(sys.argv[1])
     try:
-        doc = serve(spec)
+        doc = run(spec)
     except BaseException as e:
         doc = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     with open(spec["out"], "w") as f:

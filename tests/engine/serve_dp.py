@@ -18,11 +18,9 @@ vLLM's counters per engine rank.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import sys
-import traceback
 from typing import Any
+
+from serve import run_and_exit
 
 SCHEDULERS = {"vllm": None, "dflash-rs": "dflash_rs.vllm.DFlashRsScheduler"}
 COUNTERS = (
@@ -80,16 +78,7 @@ async def serve(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
-    try:
-        doc = asyncio.run(serve(spec))
-    except BaseException as e:
-        doc = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    with open(spec["out"], "w") as f:
-        json.dump(doc, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_and_exit(lambda spec: asyncio.run(serve(spec)))
 
 
 if __name__ == "__main__":
