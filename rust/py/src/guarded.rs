@@ -15,7 +15,7 @@ use std::sync::{Mutex, OnceLock, TryLockError};
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 
-use crate::errors::py_error;
+use crate::errors::{py_error, ErrorClass};
 
 static NEXT_THREAD_TOKEN: AtomicU64 = AtomicU64::new(1);
 
@@ -111,7 +111,7 @@ pub fn panic_to_error(
     *failure = Some(msg.clone());
     py_error(
         py,
-        "InvariantError",
+        ErrorClass::Invariant,
         format!(
             "internal error in {owner} (a bug in dflash-rs; please report it): {msg}. \
              This {owner} refuses further calls."
@@ -128,7 +128,7 @@ pub fn stopped_error(py: Python<'_>, owner: &str, msg: &str) -> PyErr {
 }
 
 fn state_error(py: Python<'_>, message: String) -> PyErr {
-    py_error(py, "SchedulerStateError", message)
+    py_error(py, ErrorClass::SchedulerState, message)
 }
 
 fn panic_message(payload: &(dyn Any + Send)) -> String {
