@@ -100,6 +100,9 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
     if config.hasattr("max_loras").unwrap_or(false) {
         c.max_loras = count("max_loras")?;
     }
+    if config.hasattr("local_prefill_interval").unwrap_or(false) {
+        c.local_prefill_interval = count("local_prefill_interval")?;
+    }
     c.lookahead_policy =
         LookaheadPolicy::from_name(&attr::<String>(config, "lookahead_policy")?).py(py)?;
     let speculative = get_attr(config, "config", "speculative")?;
