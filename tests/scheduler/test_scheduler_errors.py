@@ -551,10 +551,10 @@ CASES: Dict[str, Case] = {
         "runner_output must be a ModelRunnerOutput (it has no req_ids)",
     ),
     # ---- drafts, finishing, lookups
-    "drafts not a dict": Case(
+    "drafts not a mapping": Case(
         lambda s, o: s.update_draft_token_ids([("run", [1])]),
         ArgumentTypeError,
-        "draft token ids must be a dict",
+        "draft token ids must be a Mapping[str, Sequence[int]]",
     ),
     "drafts keyed by int": Case(
         lambda s, o: s.update_draft_token_ids({1: [1]}),

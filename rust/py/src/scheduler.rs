@@ -637,11 +637,11 @@ impl PyScheduler {
         let dict = draft_dict::as_draft_dict(draft_token_ids)?;
         if let Some(applied) = self
             .state
-            .with(py, |st| st.install_exact_draft_dict(py, dict))?
+            .with(py, |st| st.install_exact_draft_dict(py, &dict))?
         {
             return Ok(applied);
         }
-        let drafts = draft_dict::read_general(dict)?;
+        let drafts = draft_dict::read_general(&dict)?;
         self.state.with(py, |st| {
             let k = st.inner.config().num_speculative_tokens;
             let live = drafts.resolve(py, k, |id| st.slot_by_text(id))?;
