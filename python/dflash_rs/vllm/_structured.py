@@ -66,7 +66,7 @@ class StructuredOutputs:
         self.compile_errors: dict[str, str] = {}
         #: Per SchedulerOutput in flight (by id): its sampling structured requests, in the
         #: order of num_scheduled_tokens (the order of the bitmask's rows).
-        self._rows: dict[int, list[str]] = {}
+        self.rows: dict[int, list[str]] = {}
 
     # ------------------------------------------------------------------ requests
 
@@ -128,19 +128,18 @@ class StructuredOutputs:
             scheduler_output.pending_structured_output_tokens = any(
                 placeholders[index[rid]] > 0 for rid in sampling
             )
-        self._rows[id(scheduler_output)] = sampling
+        self.rows[id(scheduler_output)] = sampling
 
     def step_done(self, scheduler_output: Any) -> None:
         """The step's output was applied: its rows are no longer needed."""
-        if self._rows:
-            self._rows.pop(id(scheduler_output), None)
+        self.rows.pop(id(scheduler_output), None)
 
     def grammar_bitmask(self, scheduler_output: Any) -> Any:
         """vLLM's ``GrammarOutput`` for the step (None if no structured request samples)."""
         if not scheduler_output.has_structured_output_requests:
             return None
         requests = self.requests
-        ids = [rid for rid in self._rows.get(id(scheduler_output), ()) if rid in requests]
+        ids = [rid for rid in self.rows.get(id(scheduler_output), ()) if rid in requests]
         if not ids:
             return None
         spec = scheduler_output.scheduled_spec_decode_tokens

@@ -257,10 +257,10 @@ class DFlashRsScheduler(SchedulerInterface):
             by_client = {}
         self._in_flight.popleft()
         structured = self._structured
-        if structured.live:
+        if structured.rows:
             structured.step_done(scheduler_output)
-            if structured.compile_errors:
-                self._fail_grammars(by_client)
+        if structured.compile_errors:
+            self._fail_grammars(by_client)
         if self._kv_events is not None:
             self._kv_events.publish(self.kv_event_publisher)
         if self._error_outputs:
