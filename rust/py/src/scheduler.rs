@@ -807,6 +807,36 @@ impl PyScheduler {
         })
     }
 
+    /// Holds a waiting request back from admission (`hold=True`), or releases it: vLLM's
+    /// structured-output requests whose grammar is still compiling. A held request keeps its
+    /// queue place and counts as a skipped waiting request until admitted or finished.
+    /// `KeyError` for an unknown id, `ValueError` for a request that has run.
+    fn set_admission_hold(
+        &self,
+        py: Python<'_>,
+        request_id: RequestId<'_>,
+        hold: bool,
+    ) -> PyResult<()> {
+        self.state.with(py, |st| {
+            st.inner.set_admission_hold(&request_id, hold).py(py)
+        })
+    }
+
+    /// Whether a live request is held back from admission.
+    fn is_admission_held(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<bool> {
+        self.state
+            .with(py, |st| st.inner.is_admission_held(&request_id).py(py))
+    }
+
+    /// Held requests the last `schedule()` passed over (the ones its admission loop reached),
+    /// in queue order.
+    fn held_passed_over(&self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
+        self.state.with(py, |st| {
+            let slots = st.inner.held_passed_over().to_vec();
+            slots.iter().map(|&s| st.id_of(py, s)).collect()
+        })
+    }
+
     /// Blocks held by a live request.
     fn block_ids(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<Vec<u32>> {
         self.state.with(py, |st| {

@@ -12,6 +12,7 @@
 
 mod abandon;
 mod budget;
+mod hold;
 mod invariants;
 mod pause;
 mod update;
@@ -185,6 +186,8 @@ pub struct Scheduler {
     ended_unreported: Vec<EndedRequest>,
     /// Waiting requests marked `deferred`.
     num_deferred: usize,
+    /// Held requests (`set_admission_hold`) the last `schedule()` passed over, in order.
+    held_passed_over: Vec<u32>,
 }
 
 /// Source of scheduler identities, so an output is never applied to another scheduler.
@@ -235,6 +238,7 @@ impl Scheduler {
             abandoned_steps: Vec::new(),
             ended_unreported: Vec::new(),
             num_deferred: 0,
+            held_passed_over: Vec::new(),
         })
     }
 
@@ -483,6 +487,7 @@ impl Scheduler {
     pub fn schedule(&mut self, out: &mut StepOutput) -> CoreResult<()> {
         crate::fault::hit("schedule.begin")?;
         out.clear();
+        self.held_passed_over.clear();
         let at_limit =
             self.config.refuse_idle_steps && self.in_flight.len() >= self.max_steps_in_flight();
         let lookups_before = at_limit.then(|| self.kv.prefix_cache_stats());
@@ -761,6 +766,12 @@ impl Scheduler {
                 break;
             };
             let r = self.store.get(slot)?;
+            if r.admission_hold {
+                // As vLLM's blocked statuses (a grammar still compiling): checked first.
+                self.held_passed_over.push(slot);
+                self.pass_over(slot, passed_over)?;
+                continue;
+            }
             if r.status == RequestStatus::Preempted
                 && r.num_in_flight_tokens > 0
                 && !self.drops_stale_output(slot)
