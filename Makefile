@@ -44,13 +44,14 @@ test-rust: ## cargo test of the core and bindings
 	cargo test --workspace --profile ci --features dflash-py/fault-injection
 
 .PHONY: lint
-lint: develop ## clippy -D warnings, cargo fmt --check, ruff, stub check (mypy.stubtest)
+lint: develop ## clippy -D warnings, cargo fmt --check, ruff, stub check (mypy.stubtest), typed example (mypy --strict)
 	cargo clippy --workspace --all-targets --profile ci --features dflash-py/fault-injection -- -D warnings
 	cargo clippy --workspace --all-targets --profile ci -- -D warnings
 	cargo fmt --all --check
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(PY) -m mypy.stubtest dflash_rs._core
+	$(PY) -m mypy --strict tests/typed/readme_loop.py
 
 .PHONY: test-python
 test-python: develop ## pytest (kernels run under TRITON_INTERPRET=1 without a GPU)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from dflash_rs._checks import checked_int
-from dflash_rs.errors import ArgumentTypeError, InvalidArgumentError
+from dflash_rs import _core
+from dflash_rs._checks import as_int
 
 __all__ = ["SPECULATIVE_METHODS", "SchedulerConfig", "SpeculativeConfig"]
 
@@ -14,57 +14,32 @@ __all__ = ["SPECULATIVE_METHODS", "SchedulerConfig", "SpeculativeConfig"]
 #: speculative tokens (the authoritative table lives in the Rust core, `lookahead.rs`).
 SPECULATIVE_METHODS = ("dflash", "eagle", "eagle3", "mtp", "draft_model", "ngram", "suffix")
 
-_POLICIES = ("fcfs", "priority")
-_VLLM_SEMANTICS = ("0.32", "0.33")
-_LOOKAHEAD_POLICIES = ("correct", "legacy-first-prefill", "legacy-k")
-_HASH_ALGOS = ("sha256", "blake3", "xxh3_128")
 
-
-#: Block ids, token positions and counts reach the model runner as int32 (the block table,
-#: ``query_start_loc``, ...), so the fields they derive from are bounded by it (the Rust core's
-#: ``limits`` module, which also bounds the memory the tables take up front).
-_INT32_MAX = 2**31 - 1
-_INT32_FIELDS = (
+#: The int fields; a numpy integer given for one is stored as a plain int.
+_SPECULATIVE_INT_FIELDS = ("num_speculative_tokens",)
+_SCHEDULER_INT_FIELDS = (
     "num_blocks",
     "block_size",
     "max_model_len",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "long_prefill_token_threshold",
+    "draft_slots_per_request",
+    "hash_lookahead_tokens",
+    "max_loras",
+    "local_prefill_interval",
 )
 
 
-def _check_int(config: object, name: str, minimum: int) -> None:
-    """Checks the int field ``name`` of a frozen config; a numpy integer is stored as an int."""
-    value = getattr(config, name)
-    checked = checked_int(name, value, minimum)
-    if checked is not value:
-        object.__setattr__(config, name, checked)
-
-
-def _check_int32(name: str, value: int) -> None:
-    if value > _INT32_MAX:
-        raise InvalidArgumentError(
-            f"{name} ({value}) must be at most 2**31 - 1 = {_INT32_MAX}: block ids, token "
-            "positions and counts reach the model runner as int32"
-        )
-
-
-def _check_pool(num_blocks: int, block_size: int, max_model_len: int) -> None:
-    """As vLLM at startup: the pool must hold one request of ``max_model_len`` tokens alone
-    (lookahead slots stop at ``max_model_len`` too), plus the null block."""
-    blocks = -(-max_model_len // block_size)
-    if num_blocks < blocks + 1:
-        raise InvalidArgumentError(
-            f"num_blocks ({num_blocks}) cannot hold one request of max_model_len "
-            f"({max_model_len}) tokens: that needs cdiv({max_model_len}, block_size "
-            f"{block_size}) = {blocks} blocks plus the null block, {blocks + 1} in all; raise "
-            "num_blocks or lower max_model_len"
-        )
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ArgumentTypeError(f"{name} must be a bool, got {type(value).__name__}")
+def _store_plain_ints(config: object, names: tuple[str, ...]) -> None:
+    """Stores numpy integers given for int fields of a frozen config as ints (anything else
+    stays as given, for the native check to accept or refuse)."""
+    for name in names:
+        value = getattr(config, name)
+        if type(value) is not int:
+            plain = as_int(value)
+            if plain is not None:
+                object.__setattr__(config, name, plain)
 
 
 @dataclass(frozen=True)
@@ -75,14 +50,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise InvalidArgumentError(
-                f"unknown speculative method {self.method!r}; expected one of "
-                f"{', '.join(SPECULATIVE_METHODS)}"
-            )
-        _check_int(self, "num_speculative_tokens", 1)
-        if self.num_speculative_tokens > 64:
-            raise InvalidArgumentError("num_speculative_tokens must be <= 64")
+        _store_plain_ints(self, _SPECULATIVE_INT_FIELDS)
+        _core._check_speculative_config(self)
 
 
 @dataclass(frozen=True)
@@ -119,9 +88,10 @@ class SchedulerConfig:
     A config is refused (``InvalidArgumentError``) when its pool cannot hold one request of
     ``max_model_len`` tokens (``num_blocks >= cdiv(max_model_len, block_size) + 1``, the null
     block included), as vLLM's engine refuses it at startup; when a size field is above
-    ``2**31 - 1`` (block ids and positions are int32 on the model side); or, when the scheduler
-    is built, when the tables it allocates up front (the block table and the per-block tables)
-    would exceed the machine's memory. ``pool_must_hold_max_model_len=False`` accepts the small
+    ``2**31 - 1`` (block ids and positions are int32 on the model side); or when the tables a
+    scheduler allocates up front (the block table and the per-block tables) would exceed the
+    machine's memory. The checks are the native module's: the constructor runs them, and a
+    ``Scheduler`` runs the same ones on any config object it is given. ``pool_must_hold_max_model_len=False`` accepts the small
     pool, as vLLM's ``Scheduler`` class does (the vLLM drop-in sets it): a request that outgrows
     it alone is then ended with finish reason ``"error"``, reported by ``update_from_output``.
 
@@ -169,60 +139,10 @@ class SchedulerConfig:
     local_prefill_interval: int = 1
 
     def __post_init__(self) -> None:
-        _check_int(self, "num_blocks", 2)
-        _check_int(self, "block_size", 1)
-        _check_int(self, "max_model_len", 2)
-        _check_int(self, "max_num_seqs", 1)
-        _check_int(self, "max_num_batched_tokens", 1)
-        _check_int(self, "long_prefill_token_threshold", 0)
-        _check_int(self, "draft_slots_per_request", 0)
-        _check_int(self, "hash_lookahead_tokens", 0)
-        _check_int(self, "max_loras", 0)
-        _check_int(self, "local_prefill_interval", 1)
-        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
-        _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
-        _check_bool("verify_prefix_hits", self.verify_prefix_hits)
-        _check_bool("pad_admitted_decodes", self.pad_admitted_decodes)
-        _check_bool("async_scheduling", self.async_scheduling)
-        _check_bool("drop_last_hit_block", self.drop_last_hit_block)
-        _check_bool("kv_events", self.kv_events)
-        _check_bool("pool_must_hold_max_model_len", self.pool_must_hold_max_model_len)
-        _check_bool("refuse_idle_steps", self.refuse_idle_steps)
-        if self.hash_lookahead_tokens > 64:
-            raise InvalidArgumentError(
-                f"hash_lookahead_tokens must be at most 64, got {self.hash_lookahead_tokens}"
-            )
-        if self.hash_lookahead_tokens and self.drop_last_hit_block:
-            raise InvalidArgumentError(
-                "hash_lookahead_tokens and drop_last_hit_block exclude each other: lookahead "
-                "hashes make the last hit block reusable, the drop recomputes it"
-            )
-        if self.vllm_semantics not in _VLLM_SEMANTICS:
-            raise InvalidArgumentError(
-                f"vllm_semantics must be '0.32' or '0.33', got {self.vllm_semantics!r}"
-            )
-        if self.policy not in _POLICIES:
-            raise InvalidArgumentError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if self.hash_algo not in _HASH_ALGOS:
-            raise InvalidArgumentError(
-                f"hash_algo must be one of {', '.join(_HASH_ALGOS)}, got {self.hash_algo!r}"
-            )
-        if self.lookahead_policy not in _LOOKAHEAD_POLICIES:
-            raise InvalidArgumentError(
-                f"lookahead_policy must be one of {', '.join(_LOOKAHEAD_POLICIES)}, "
-                f"got {self.lookahead_policy!r}"
-            )
-        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
-            raise InvalidArgumentError("speculative must be a SpeculativeConfig or None")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise InvalidArgumentError(
-                "without chunked prefill, max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
-            )
-        for name in _INT32_FIELDS:
-            _check_int32(name, getattr(self, name))
-        if self.pool_must_hold_max_model_len:
-            _check_pool(self.num_blocks, self.block_size, self.max_model_len)
+        # One validator, the native one, for these and for any duck-typed config a Scheduler
+        # is given: the same checks and messages either way.
+        _store_plain_ints(self, _SCHEDULER_INT_FIELDS)
+        _core._check_scheduler_config(self)
 
     @property
     def spec_method(self) -> str:

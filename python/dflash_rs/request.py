@@ -2,35 +2,29 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from dflash_rs._checks import INT64_MAX, INT64_MIN, as_int, checked_int
-from dflash_rs.errors import ArgumentTypeError, InvalidArgumentError
+from dflash_rs._checks import as_int
+from dflash_rs._core import _check_request
+from dflash_rs.errors import InvalidArgumentError
 
 __all__ = ["ModelRunnerOutput", "Request"]
 
-_MAX_TOKEN_ID = 2**31 - 1
 _now = time.time
 
-
-def _check_token(name: str, value: Any) -> int:
-    checked = as_int(value)
-    if checked is None:
-        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not 0 <= checked <= _MAX_TOKEN_ID:
-        raise InvalidArgumentError(f"{name} = {checked} is outside [0, 2**31 - 1]")
-    return checked
+#: The int fields; a numpy integer given for one is stored as a plain int.
+_INT_FIELDS = ("max_tokens", "min_tokens", "priority", "eos_token_id", "lora_id")
 
 
 @dataclass
 class Request:
     """One generation request. ``prompt_token_ids`` may be a list or a 1-D integer array (any
     integer dtype); its values are checked when the scheduler admits it (in Rust, without a
-    Python loop). Int fields take numpy integers too (stored as ints), never bools.
+    Python loop). The other fields are checked here, by the native validator that submission
+    runs too (so a duck-typed request gets the same errors). Int fields take numpy integers
+    (stored as ints), never bools.
 
     ``lora_name`` keys the request's blocks in the prefix cache (with ``cache_salt``);
     ``lora_id`` (>= 1) identifies its adapter for ``SchedulerConfig.max_loras``.
@@ -56,65 +50,17 @@ class Request:
     prompt_embed_hashes: Optional[Sequence[bytes]] = None
 
     def __post_init__(self) -> None:
-        # Each check takes its fast path (exact types, in range) first and the full check,
-        # with its message, only when that fails: a Request is made per admission.
-        if not isinstance(self.request_id, str):
-            raise ArgumentTypeError(
-                f"request_id must be a non-empty string, got {type(self.request_id).__name__}"
-            )
-        if not self.request_id:
-            raise InvalidArgumentError("request_id must be a non-empty string")
-        value = self.max_tokens
-        if type(value) is not int or not 1 <= value <= INT64_MAX:
-            self.max_tokens = checked_int("max_tokens", value, 1)
-        value = self.min_tokens
-        if type(value) is not int or not 0 <= value <= INT64_MAX:
-            self.min_tokens = checked_int("min_tokens", value, 0)
-        if self.min_tokens > self.max_tokens:
-            raise InvalidArgumentError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
-            )
-        value = self.priority
-        if type(value) is not int or not INT64_MIN <= value <= INT64_MAX:
-            self.priority = checked_int("priority", value, INT64_MIN)
-        if self.ignore_eos is not False and self.ignore_eos is not True:
-            raise ArgumentTypeError(
-                f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}"
-            )
-        if self.eos_token_id is not None:
-            self.eos_token_id = _check_token("eos_token_id", self.eos_token_id)
-        try:
-            stop = tuple(self.stop_token_ids)
-        except TypeError:
-            raise ArgumentTypeError(
-                "stop_token_ids must be a sequence of ints, got "
-                f"{type(self.stop_token_ids).__name__}"
-            ) from None
-        if stop:
-            stop = tuple(_check_token("stop_token_ids[...]", t) for t in stop)
-        self.stop_token_ids = stop
-        arrival = self.arrival_time
-        if arrival is None:
+        if self.arrival_time is None:
             self.arrival_time = _now()
-        elif isinstance(arrival, bool) or not isinstance(arrival, numbers.Real):
-            raise ArgumentTypeError(
-                f"arrival_time must be a number or None, got {type(arrival).__name__}"
-            )
-        elif not math.isfinite(arrival):
-            raise InvalidArgumentError(f"arrival_time must be finite, got {arrival}")
-        if self.lora_name is not None and not isinstance(self.lora_name, str):
-            raise ArgumentTypeError("lora_name must be a str or None")
-        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
-            raise ArgumentTypeError("cache_salt must be a str or None")
-        if self.lora_id is not None:
-            self.lora_id = checked_int("lora_id", self.lora_id, 1)
-            if self.lora_id > _MAX_TOKEN_ID:
-                raise InvalidArgumentError(f"lora_id = {self.lora_id} is above 2**31 - 1")
-        skip = self.skip_reading_prefix_cache
-        if skip is not False and skip is not True:
-            raise ArgumentTypeError(
-                f"skip_reading_prefix_cache must be a bool, got {type(skip).__name__}"
-            )
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not int and value is not None:
+                plain = as_int(value)  # a numpy integer is stored as an int
+                if plain is not None:
+                    setattr(self, name, plain)
+        # One validator, the native one: the checks, and messages, of submission (which reads
+        # the prompt's tokens, without a Python loop).
+        _check_request(self)
 
 
 @dataclass

@@ -237,6 +237,8 @@ class Group:
     engine: dict[str, Any] = field(default_factory=dict)
     #: Publish KV-cache events (ZMQ, with replay) and record them (``serve.EventSubscriber``).
     kv_events: bool = False
+    #: Compile structured-output grammars at arrival (``serve.compile_grammars_at_arrival``).
+    sync_grammars: bool = False
 
     def spec_json(self, models: dict[str, str], scheduler: str, out: str) -> dict[str, Any]:
         engine = {**BASE_ENGINE, **self.engine, "model": models[self.target]}
@@ -253,6 +255,7 @@ class Group:
             "cases": self.cases,
             "out": out,
             "kv_events": self.kv_events,
+            "sync_grammars": self.sync_grammars,
             "loras": loras,
         }
 

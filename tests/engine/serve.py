@@ -8,7 +8,8 @@ included), ``scheduler`` (``"vllm"`` for vLLM's own, ``"dflash-rs"`` for
 
 A case is ``{"name", "requests": [{"prompt", "params", ...}], "engine"?, "abort"?}``:
 ``prompt`` is a token-id list, ``params`` ``SamplingParams`` keyword arguments (greedy and
-``detokenize=False`` unless given), ``priority`` optional, ``lora`` the index of one of
+``detokenize=False`` unless given; ``structured_outputs`` as a dict of
+``StructuredOutputsParams`` arguments), ``priority`` optional, ``lora`` the index of one of
 the spec's ``loras`` adapters (``{"lora-<target>-<i>": path}``), ``embeds`` a list of
 ``[seed, length]`` segments: the prompt is then those seeded random embeddings (``prompt`` is
 ignored). Without ``engine`` the requests go to ``LLM.generate``, one call per ``wave``
@@ -17,6 +18,9 @@ ignored). Without ``engine`` the requests go to ``LLM.generate``, one call per `
 ``add_request`` before step ``arrive`` (default 0), ``step()`` until all have finished, and
 ``abort_request`` for request ``i`` right after ``abort[i]`` steps. ``reset_after`` calls
 ``LLM.reset_prefix_cache()`` after the case.
+
+With ``sync_grammars`` each structured-output grammar is compiled when its request arrives
+(``compile_grammars_at_arrival``), not asynchronously.
 
 With ``kv_events`` the engine publishes KV-cache events through vLLM's ZMQ publisher (on ipc
 endpoints next to ``out``, with a replay socket); ``EventSubscriber`` receives them as a KV-aware
@@ -155,8 +159,15 @@ class EventSubscriber:
 
 
 def sampling_params(params: dict[str, Any]) -> Any:
+    """``SamplingParams`` of a case request; ``structured_outputs`` holds the keyword arguments
+    of vLLM's ``StructuredOutputsParams`` (``json``, ``regex``, ``choice``, ...)."""
     from vllm import SamplingParams
 
+    params = dict(params)
+    if "structured_outputs" in params:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
     return SamplingParams(**({"temperature": 0.0, "detokenize": False} | params))
 
 
@@ -288,6 +299,8 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
             replay_endpoint=endpoints[1],
             topic=endpoints[2],
         )
+    if spec.get("sync_grammars"):
+        compile_grammars_at_arrival()
     try:
         llm = LLM(**kwargs)
     except Exception as e:
@@ -330,6 +343,22 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
         subscriber.close()
     doc["total_s"] = time.perf_counter() - t0
     return doc
+
+
+def compile_grammars_at_arrival() -> None:
+    """Makes vLLM's StructuredOutputManager compile each grammar in ``grammar_init`` (as it
+    does under ``external_launcher``) instead of in its thread pool: every request's grammar is
+    then ready when it arrives, in both runs, so their schedules compare step by step (with
+    asynchronous compilation, which steps a request waits for its grammar depends on timing)."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    init = StructuredOutputManager.__init__
+
+    def sync_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._use_async_grammar_compilation = False
+
+    StructuredOutputManager.__init__ = sync_init
 
 
 def main() -> None:

@@ -75,7 +75,7 @@ def test_config_checks() -> None:
         dataclasses.replace(base, hash_lookahead_tokens=1, drop_last_hit_block=True)
     with pytest.raises(InvalidArgumentError, match="hash_lookahead_tokens"):
         dataclasses.replace(base, hash_lookahead_tokens=-1)
-    with pytest.raises(InvalidArgumentError, match="at most 64"):
+    with pytest.raises(InvalidArgumentError, match="hash_lookahead_tokens 65 is above 64"):
         dataclasses.replace(base, hash_lookahead_tokens=65)
     with pytest.raises(TypeError, match="hash_lookahead_tokens"):
         dataclasses.replace(base, hash_lookahead_tokens="1")  # type: ignore[arg-type]

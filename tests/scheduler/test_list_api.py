@@ -9,6 +9,8 @@ after them, and hold any number of tokens."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, Dict, List, Sequence
 
 import numpy as np
@@ -25,6 +27,22 @@ class Token(int):
 
 class Drafts(dict):
     """A dict subclass: read through its items, as any dict that is not exactly a dict."""
+
+
+class DraftMapping(Mapping):
+    """A ``Mapping`` that is no dict at all: copied to a dict, then read as one."""
+
+    def __init__(self, items: Dict[str, Any]) -> None:
+        self._items = items
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def _config(k: int = K) -> SchedulerConfig:
@@ -128,8 +146,13 @@ def test_one_pass_and_general_reads_agree(seed: int) -> None:
                 _copy(r) if rng.random() < 0.5 else r: _other_shape(d, rng)
                 for r, d in drafts.items()
             }
-            if rng.random() < 0.3:
+            shape = rng.random()
+            if shape < 0.2:
                 other = Drafts(other)
+            elif shape < 0.3:
+                other = DraftMapping(other)
+            elif shape < 0.4:
+                other = MappingProxyType(other)
             assert fast.update_draft_token_ids(drafts) == general.update_draft_token_ids(other)
         if rng.random() < 0.05 and a.req_ids:
             victim = a.req_ids[rng.randrange(len(a.req_ids))]

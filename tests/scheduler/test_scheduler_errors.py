@@ -94,8 +94,8 @@ def snapshot(sched: Scheduler) -> Dict[str, Any]:
 
 
 def duck_request(**overrides: Any) -> SimpleNamespace:
-    """An object with Request's attributes but none of its Python-side validation, so the
-    checks in the Rust bindings are exercised."""
+    """An object with Request's attributes that is no ``Request``: the bindings' reader checks
+    it at submission, with the validator that ``Request``'s constructor calls."""
     fields: Dict[str, Any] = {
         "request_id": "duck",
         "prompt_token_ids": [1, 2, 3],
@@ -111,6 +111,48 @@ def duck_request(**overrides: Any) -> SimpleNamespace:
     }
     fields.update(overrides)
     return SimpleNamespace(**fields)
+
+
+#: Bad request fields (overrides of ``duck_request()``): ``Request(...)`` and submitting a duck
+#: request raise the same error with the same message, from the one validator.
+REQUEST_FIELD_CASES: Dict[str, Dict[str, Any]] = {
+    "empty id": {"request_id": ""},
+    "id an int": {"request_id": 5},
+    "max_tokens 0": {"max_tokens": 0},
+    "max_tokens negative": {"max_tokens": -1},
+    "max_tokens a bool": {"max_tokens": True},
+    "max_tokens a float": {"max_tokens": 4.0},
+    "max_tokens huge": {"max_tokens": 2**70},
+    "min_tokens negative": {"min_tokens": -1},
+    "min_tokens above max_tokens": {"min_tokens": 5},
+    "priority a str": {"priority": "high"},
+    "eos_token_id negative": {"eos_token_id": -1},
+    "eos_token_id past int32": {"eos_token_id": 2**31},
+    "stop_token_ids a str": {"stop_token_ids": "ab"},
+    "stop_token_ids None": {"stop_token_ids": None},
+    "stop token negative": {"stop_token_ids": [3, -2]},
+    "ignore_eos a str": {"ignore_eos": "yes"},
+    "arrival_time a str": {"arrival_time": "now"},
+    "arrival_time infinite": {"arrival_time": float("inf")},
+    "lora_name an int": {"lora_name": 5},
+    "cache_salt bytes": {"cache_salt": b"salt"},
+    "lora_id 0": {"lora_id": 0},
+    "skip_reading_prefix_cache an int": {"skip_reading_prefix_cache": 1},
+}
+
+
+@pytest.mark.parametrize("name", list(REQUEST_FIELD_CASES))
+def test_bad_request_field_raises_one_error_built_or_submitted(name: str) -> None:
+    fields = {**vars(duck_request()), **REQUEST_FIELD_CASES[name]}
+    with pytest.raises(DFlashRsError) as built:
+        Request(**fields)
+    sched, _ = populated()
+    before = snapshot(sched)
+    with pytest.raises(DFlashRsError) as submitted:
+        sched.add_request(SimpleNamespace(**fields))
+    assert type(built.value) is type(submitted.value)
+    assert str(built.value) == str(submitted.value)
+    assert snapshot(sched) == before
 
 
 def other_scheduler_output() -> Any:
@@ -189,7 +231,7 @@ CASES: Dict[str, Case] = {
     "max_tokens negative (duck)": Case(
         lambda s, o: s.add_request(duck_request(max_tokens=-1)),
         InvalidArgumentError,
-        "max_tokens must be >= 0",
+        "max_tokens must be >= 1, got -1",
     ),
     "min_tokens negative (duck)": Case(
         lambda s, o: s.add_request(duck_request(min_tokens=-1)),
@@ -289,7 +331,7 @@ CASES: Dict[str, Case] = {
     "id not a str (Request)": Case(
         lambda s, o: s.add_request(Request(5, [1, 2], 4)),
         InvalidArgumentError,
-        "request_id must be a non-empty string",
+        "request_id must be a str, got int",
     ),
     "max_tokens negative (Request)": Case(
         lambda s, o: s.add_request(Request("m", [1], -1)),
@@ -304,7 +346,7 @@ CASES: Dict[str, Case] = {
     "max_tokens huge (Request)": Case(
         lambda s, o: s.add_request(Request("m", [1], 2**70)),
         InvalidArgumentError,
-        "max_tokens must be <= 2**63 - 1",
+        "max_tokens = 1180591620717411303424 is out of range",
     ),
     "max_tokens huge (duck)": Case(
         lambda s, o: s.add_request(duck_request(max_tokens=2**70)),
@@ -324,7 +366,7 @@ CASES: Dict[str, Case] = {
     "priority huge (Request)": Case(
         lambda s, o: s.add_request(Request("p", [1], 4, priority=2**70)),
         InvalidArgumentError,
-        "priority must be <= 2**63 - 1",
+        "priority = 1180591620717411303424 is out of range",
     ),
     "priority huge (duck)": Case(
         lambda s, o: s.add_request(duck_request(priority=2**70)),
@@ -359,17 +401,17 @@ CASES: Dict[str, Case] = {
     "lora_name not a str (Request)": Case(
         lambda s, o: s.add_request(Request("l", [1], 4, lora_name=5)),
         InvalidArgumentError,
-        "lora_name must be a str or None",
+        "lora_name must be a str, got int",
     ),
     "cache_salt not a str (Request)": Case(
         lambda s, o: s.add_request(Request("c", [1], 4, cache_salt=b"salt")),
         InvalidArgumentError,
-        "cache_salt must be a str or None",
+        "cache_salt must be a str, got bytes",
     ),
     "stop_token_ids a str (Request)": Case(
         lambda s, o: s.add_request(Request("t", [1], 4, stop_token_ids="ab")),
         InvalidArgumentError,
-        "stop_token_ids[...] must be an int, got str",
+        "stop_token_ids must be a sequence of ints, not a string",
     ),
     "eos negative (Request)": Case(
         lambda s, o: s.add_request(Request("t", [1], 4, eos_token_id=-1)),
@@ -551,10 +593,10 @@ CASES: Dict[str, Case] = {
         "runner_output must be a ModelRunnerOutput (it has no req_ids)",
     ),
     # ---- drafts, finishing, lookups
-    "drafts not a dict": Case(
+    "drafts not a mapping": Case(
         lambda s, o: s.update_draft_token_ids([("run", [1])]),
         ArgumentTypeError,
-        "draft token ids must be a dict",
+        "draft token ids must be a Mapping[str, Sequence[int]]",
     ),
     "drafts keyed by int": Case(
         lambda s, o: s.update_draft_token_ids({1: [1]}),
@@ -680,12 +722,12 @@ CASES: Dict[str, Case] = {
     "stop tokens with a numpy bool (Request)": Case(
         lambda s, o: s.add_request(Request("b", [1], 4, stop_token_ids=[np.False_])),
         ArgumentTypeError,
-        "stop_token_ids[...] must be an int, got bool",
+        "stop_token_ids[0] must be an int, got the bool False",
     ),
     "max_tokens numpy bool (Request)": Case(
         lambda s, o: s.add_request(Request("m", [1], np.True_)),
         ArgumentTypeError,
-        "max_tokens must be an int, got bool",
+        "max_tokens must be an int, got the bool True",
     ),
     "max_tokens numpy bool (duck)": Case(
         lambda s, o: s.add_request(duck_request(max_tokens=np.True_)),
@@ -878,7 +920,7 @@ CASES: Dict[str, Case] = {
     "stop_token_ids None (Request)": Case(
         lambda s, o: s.add_request(Request("t", [1], 4, stop_token_ids=None)),
         ArgumentTypeError,
-        "stop_token_ids must be a sequence of ints, got NoneType",
+        "stop_token_ids must be a sequence of ints or a 1-D integer array, got NoneType",
     ),
     "stop_token_ids an int (duck)": Case(
         lambda s, o: s.add_request(duck_request(stop_token_ids=7)),
@@ -898,7 +940,7 @@ CASES: Dict[str, Case] = {
     "request_id not a str (Request)": Case(
         lambda s, o: s.add_request(Request(None, [1], 4)),
         ArgumentTypeError,
-        "request_id must be a non-empty string, got NoneType",
+        "request_id must be a str, got NoneType",
     ),
 }
 
@@ -1068,124 +1110,355 @@ _INT32_FIELDS = (
     "max_num_batched_tokens",
 )
 
-CONFIG_CASES: Dict[str, Tuple[Callable[[], Any], Type[BaseException], str]] = {
-    "num_blocks 1": (lambda: SchedulerConfig(1), InvalidArgumentError, "num_blocks must be >= 2"),
-    "num_blocks 0": (lambda: SchedulerConfig(0), InvalidArgumentError, "num_blocks must be >= 2"),
-    "num_blocks 1 (duck)": (
-        lambda: Scheduler(_config_fields(num_blocks=1)),
+_PAST_RANGE = "is out of range: integers must lie in [-2**63, 2**63 - 1]"
+
+#: Bad fields of a scheduler config: overrides of ``_config_fields()``, the error and its exact
+#: message. ``SchedulerConfig`` and a duck-typed config given to ``Scheduler`` are checked by one
+#: validator, so both raise exactly this.
+FIELD_CASES: Dict[str, Tuple[Dict[str, Any], Type[BaseException], str]] = {
+    "num_blocks 1": (
+        {"num_blocks": 1},
         InvalidArgumentError,
-        "num_blocks must be at least 2",
+        "config.num_blocks must be >= 2, got 1",
     ),
-    "num_blocks negative (duck)": (
-        lambda: Scheduler(_config_fields(num_blocks=-3)),
+    "num_blocks 0": (
+        {"num_blocks": 0},
         InvalidArgumentError,
-        "num_blocks must be >= 0",
+        "config.num_blocks must be >= 2, got 0",
     ),
-    "num_blocks not an int": (
-        lambda: SchedulerConfig("10"),
+    "num_blocks negative": (
+        {"num_blocks": -3},
         InvalidArgumentError,
-        "num_blocks must be an int, got str",
+        "config.num_blocks must be >= 2, got -3",
+    ),
+    "num_blocks str": (
+        {"num_blocks": "10"},
+        ArgumentTypeError,
+        "config.num_blocks must be an int, got str",
+    ),
+    "num_blocks bool": (
+        {"num_blocks": True},
+        ArgumentTypeError,
+        "config.num_blocks must be an int, got the bool True",
+    ),
+    "num_blocks numpy bool": (
+        {"num_blocks": np.True_},
+        ArgumentTypeError,
+        "config.num_blocks must be an int, got the bool True",
+    ),
+    "num_blocks huge": (
+        {"num_blocks": 2**70},
+        InvalidArgumentError,
+        f"config.num_blocks = {2**70} {_PAST_RANGE}",
     ),
     "block_size 0": (
-        lambda: SchedulerConfig(10, block_size=0),
+        {"block_size": 0},
         InvalidArgumentError,
-        "block_size must be >= 1",
+        "config.block_size must be >= 1, got 0",
     ),
-    "block_size 0 (duck)": (
-        lambda: Scheduler(_config_fields(block_size=0)),
+    "block_size negative": (
+        {"block_size": -16},
         InvalidArgumentError,
-        "block_size must be positive",
+        "config.block_size must be >= 1, got -16",
+    ),
+    "block_size float": (
+        {"block_size": 16.0},
+        ArgumentTypeError,
+        "config.block_size must be an int, got float",
     ),
     "max_model_len 1": (
-        lambda: SchedulerConfig(10, max_model_len=1),
+        {"max_model_len": 1},
         InvalidArgumentError,
-        "max_model_len must be >= 2",
+        "config.max_model_len must be >= 2, got 1",
+    ),
+    "max_model_len huge": (
+        {"max_model_len": 2**64},
+        InvalidArgumentError,
+        f"config.max_model_len = {2**64} {_PAST_RANGE}",
     ),
     "max_num_seqs 0": (
-        lambda: SchedulerConfig(10, max_num_seqs=0),
+        {"max_num_seqs": 0},
         InvalidArgumentError,
-        "max_num_seqs must be >= 1",
+        "config.max_num_seqs must be >= 1, got 0",
+    ),
+    "max_num_seqs negative": (
+        {"max_num_seqs": -1},
+        InvalidArgumentError,
+        "config.max_num_seqs must be >= 1, got -1",
     ),
     "budget 0": (
-        lambda: SchedulerConfig(10, max_num_batched_tokens=0),
+        {"max_num_batched_tokens": 0},
         InvalidArgumentError,
-        "max_num_batched_tokens must be >= 1",
+        "config.max_num_batched_tokens must be >= 1, got 0",
     ),
     "no chunking and budget < max_model_len": (
-        lambda: SchedulerConfig(
-            10, enable_chunked_prefill=False, max_num_batched_tokens=100, max_model_len=200
-        ),
+        {"enable_chunked_prefill": False, "max_num_batched_tokens": 32},
         InvalidArgumentError,
-        "without chunked prefill",
+        "without chunked prefill, max_num_batched_tokens (32) must be >= max_model_len (64)",
     ),
-    "unknown method": (
-        lambda: SpeculativeConfig("medusa", 3),
+    "long_prefill_token_threshold negative": (
+        {"long_prefill_token_threshold": -1},
         InvalidArgumentError,
-        "unknown speculative method 'medusa'",
+        "config.long_prefill_token_threshold must be >= 0, got -1",
     ),
-    "unknown method (duck)": (
-        lambda: Scheduler(
-            _config_fields(speculative=SimpleNamespace(method="medusa", num_speculative_tokens=3))
-        ),
-        InvalidArgumentError,
-        'unknown speculative method "medusa"',
+    "draft_slots_per_request bool": (
+        {"draft_slots_per_request": True},
+        ArgumentTypeError,
+        "config.draft_slots_per_request must be an int, got the bool True",
     ),
-    "K = 0": (
-        lambda: SpeculativeConfig("dflash", 0),
+    "draft slots fill the budget": (
+        {"draft_slots_per_request": 64},
         InvalidArgumentError,
-        "num_speculative_tokens must be >= 1",
+        "draft_slots_per_request (64) must be below max_num_batched_tokens (64): no request "
+        "could be scheduled",
     ),
-    "K = 0 (duck)": (
-        lambda: Scheduler(
-            _config_fields(speculative=SimpleNamespace(method="dflash", num_speculative_tokens=0))
-        ),
+    "hash_lookahead_tokens 65": (
+        {"hash_lookahead_tokens": 65},
         InvalidArgumentError,
-        "num_speculative_tokens must be >= 1 for method dflash",
+        "hash_lookahead_tokens 65 is above 64",
     ),
-    "K = 65": (
-        lambda: SpeculativeConfig("eagle", 65),
+    "hash lookahead with the block drop": (
+        {"hash_lookahead_tokens": 1, "drop_last_hit_block": True},
         InvalidArgumentError,
-        "num_speculative_tokens must be <= 64",
+        "hash_lookahead_tokens and drop_last_hit_block exclude each other: lookahead hashes "
+        "make the last hit block reusable, the drop recomputes it",
     ),
-    "speculative of the wrong type": (
-        lambda: SchedulerConfig(10, speculative="dflash"),
+    "max_loras negative": (
+        {"max_loras": -1},
         InvalidArgumentError,
-        "speculative must be a SpeculativeConfig or None",
+        "config.max_loras must be >= 0, got -1",
+    ),
+    "enable_prefix_caching str": (
+        {"enable_prefix_caching": "no"},
+        ArgumentTypeError,
+        "config.enable_prefix_caching must be a bool, got str",
+    ),
+    "enable_chunked_prefill int": (
+        {"enable_chunked_prefill": 1},
+        ArgumentTypeError,
+        "config.enable_chunked_prefill must be a bool, got int",
+    ),
+    "verify_prefix_hits str": (
+        {"verify_prefix_hits": "yes"},
+        ArgumentTypeError,
+        "config.verify_prefix_hits must be a bool, got str",
+    ),
+    "async_scheduling int": (
+        {"async_scheduling": 1},
+        ArgumentTypeError,
+        "config.async_scheduling must be a bool, got int",
     ),
     "policy": (
-        lambda: SchedulerConfig(10, policy="lifo"),
+        {"policy": "lifo"},
         InvalidArgumentError,
-        "policy must be 'fcfs' or 'priority', got 'lifo'",
+        'unknown policy "lifo"; expected "fcfs" or "priority"',
     ),
-    "policy (duck)": (
-        lambda: Scheduler(_config_fields(policy="lifo")),
-        InvalidArgumentError,
-        'unknown policy "lifo"',
+    "policy None": (
+        {"policy": None},
+        ArgumentTypeError,
+        "config.policy must be a str, got NoneType",
     ),
     "lookahead_policy": (
-        lambda: SchedulerConfig(10, lookahead_policy="legacy"),
+        {"lookahead_policy": "legacy"},
         InvalidArgumentError,
-        "lookahead_policy must be one of",
-    ),
-    "lookahead_policy (duck)": (
-        lambda: Scheduler(_config_fields(lookahead_policy="legacy")),
-        InvalidArgumentError,
-        'unknown lookahead_policy "legacy"',
+        'unknown lookahead_policy "legacy"; expected "correct", "legacy-first-prefill" or '
+        '"legacy-k"',
     ),
     "hash_algo": (
-        lambda: SchedulerConfig(10, hash_algo="md5"),
+        {"hash_algo": "md5"},
         InvalidArgumentError,
-        "hash_algo must be one of",
+        'unknown hash_algo "md5"; expected one of "sha256", "blake3", "xxh3_128"',
     ),
-    "hash_algo (duck)": (
-        lambda: Scheduler(_config_fields(hash_algo="md5")),
+    "hash_seed float": (
+        {"hash_seed": 1.5},
+        ArgumentTypeError,
+        "hash_seed must be str, bytes, int or None, got float",
+    ),
+    "hash_seed bool": (
+        {"hash_seed": True},
+        ArgumentTypeError,
+        "hash_seed must be str, bytes, int or None, got bool",
+    ),
+    "vllm_semantics float": (
+        {"vllm_semantics": 0.33},
+        ArgumentTypeError,
+        "config.vllm_semantics must be a str, got float",
+    ),
+    "vllm_semantics unknown": (
+        {"vllm_semantics": "0.31"},
         InvalidArgumentError,
-        'unknown hash_algo "md5"',
+        'unknown vLLM semantics "0.31"; expected "0.32" or "0.33"',
+    ),
+    "speculative a str": (
+        {"speculative": "dflash"},
+        ArgumentTypeError,
+        "config.speculative must be a SpeculativeConfig or None, got str",
+    ),
+    # Every size field is int32 on the model side.
+    **{
+        f"{field} above int32": (
+            {field: 2**31},
+            InvalidArgumentError,
+            f"{field} (2147483648) must be at most 2**31 - 1 = 2147483647: block ids, token "
+            "positions and counts reach the model runner as int32",
+        )
+        for field in _INT32_FIELDS
+    },
+    "pool one block short of one max_model_len request": (
+        {"num_blocks": 4},
+        InvalidArgumentError,
+        "num_blocks (4) cannot hold one request of max_model_len (64) tokens: that needs "
+        "cdiv(64, block_size 16) = 4 blocks plus the null block, 5 in all; raise num_blocks or "
+        "lower max_model_len",
+    ),
+}
+
+
+def _error_of(make: Callable[[], Any]) -> BaseException:
+    with pytest.raises(DFlashRsError) as info:
+        make()
+    return info.value
+
+
+@pytest.mark.parametrize("name", list(FIELD_CASES))
+def test_bad_config_field_raises_one_error_for_dataclass_and_duck_configs(name: str) -> None:
+    overrides, error, message = FIELD_CASES[name]
+    fields = {**vars(_config_fields()), **overrides}
+    from_dataclass = _error_of(lambda: SchedulerConfig(**fields))
+    from_duck = _error_of(lambda: Scheduler(_config_fields(**overrides)))
+    for raised in (from_dataclass, from_duck):
+        assert type(raised) is error
+        assert str(raised) == message
+
+
+#: Bad speculative configs: method, K, the error, and its message after "speculative." or
+#: "config.speculative." (None: a message without that prefix).
+SPECULATIVE_CASES: Dict[str, Tuple[Any, Any, Type[BaseException], str, bool]] = {
+    "unknown method": (
+        "medusa",
+        3,
+        InvalidArgumentError,
+        'unknown speculative method "medusa"; expected one of dflash, eagle, eagle3, mtp, '
+        "draft_model, ngram, suffix",
+        False,
+    ),
+    "method in the wrong case": (
+        "DFlash",
+        2,
+        InvalidArgumentError,
+        'unknown speculative method "DFlash"; expected one of dflash, eagle, eagle3, mtp, '
+        "draft_model, ngram, suffix",
+        False,
+    ),
+    "method None": (None, 2, ArgumentTypeError, "method must be a str, got NoneType", True),
+    "method an int": (3, 3, ArgumentTypeError, "method must be a str, got int", True),
+    "K = 0": (
+        "dflash",
+        0,
+        InvalidArgumentError,
+        "num_speculative_tokens must be in [1, 64], got 0",
+        True,
+    ),
+    "K negative": (
+        "dflash",
+        -1,
+        InvalidArgumentError,
+        "num_speculative_tokens must be in [1, 64], got -1",
+        True,
+    ),
+    "K = 65": (
+        "eagle",
+        65,
+        InvalidArgumentError,
+        "num_speculative_tokens must be in [1, 64], got 65",
+        True,
+    ),
+    "K bool": (
+        "dflash",
+        True,
+        ArgumentTypeError,
+        "num_speculative_tokens must be an int, got the bool True",
+        True,
+    ),
+    "K numpy bool": (
+        "dflash",
+        np.True_,
+        ArgumentTypeError,
+        "num_speculative_tokens must be an int, got the bool True",
+        True,
+    ),
+    "K float": (
+        "eagle",
+        2.0,
+        ArgumentTypeError,
+        "num_speculative_tokens must be an int, got float",
+        True,
+    ),
+    "K str": (
+        "dflash",
+        "3",
+        ArgumentTypeError,
+        "num_speculative_tokens must be an int, got str",
+        True,
+    ),
+    "K huge": (
+        "dflash",
+        2**70,
+        InvalidArgumentError,
+        f"num_speculative_tokens = {2**70} {_PAST_RANGE}",
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECULATIVE_CASES))
+def test_bad_speculative_config_raises_one_error_alone_and_in_a_scheduler(name: str) -> None:
+    method, k, error, message, prefixed = SPECULATIVE_CASES[name]
+    alone = _error_of(lambda: SpeculativeConfig(method, k))
+    duck = SimpleNamespace(method=method, num_speculative_tokens=k)
+    in_scheduler = _error_of(lambda: Scheduler(_config_fields(speculative=duck)))
+    for raised, prefix in ((alone, "speculative."), (in_scheduler, "config.speculative.")):
+        assert type(raised) is error
+        assert str(raised) == (prefix + message if prefixed else message)
+
+
+CONFIG_CASES: Dict[str, Tuple[Callable[[], Any], Type[BaseException], str]] = {
+    "method none alone": (
+        lambda: SpeculativeConfig("none", 0),
+        InvalidArgumentError,
+        'unknown speculative method "none": without speculation pass speculative=None',
+    ),
+    "K without a method (duck)": (
+        lambda: Scheduler(
+            _config_fields(speculative=SimpleNamespace(method="none", num_speculative_tokens=2))
+        ),
+        InvalidArgumentError,
+        "num_speculative_tokens must be 0 without a speculative method",
+    ),
+    "speculative without K (duck)": (
+        lambda: Scheduler(_config_fields(speculative=SimpleNamespace(method="dflash"))),
+        InvalidArgumentError,
+        'config.speculative has no attribute "num_speculative_tokens"',
     ),
     "not a config": (
         lambda: Scheduler(object()),
         InvalidArgumentError,
         'config has no attribute "num_blocks"',
+    ),
+    "no speculative attribute (duck)": (
+        lambda: Scheduler(_config_without("speculative")),
+        InvalidArgumentError,
+        'config has no attribute "speculative"',
+    ),
+    "pool short of the default max_model_len": (
+        lambda: SchedulerConfig(10),
+        InvalidArgumentError,
+        "num_blocks (10) cannot hold one request of max_model_len (8192) tokens",
+    ),
+    "the issue's max_model_len 2**40": (
+        lambda: SchedulerConfig(num_blocks=64, max_model_len=2**40, max_num_seqs=8),
+        InvalidArgumentError,
+        "max_model_len (1099511627776) must be at most 2**31 - 1",
     ),
     "ModelRunnerOutput without samples": (
         lambda: ModelRunnerOutput(["a"]),
@@ -1209,251 +1482,6 @@ CONFIG_CASES: Dict[str, Tuple[Callable[[], Any], Type[BaseException], str]] = {
         InvalidArgumentError,
         "sampled_tokens_flat and num_sampled_tokens go together",
     ),
-    "K negative": (
-        lambda: SpeculativeConfig("dflash", -1),
-        InvalidArgumentError,
-        "num_speculative_tokens must be >= 1, got -1",
-    ),
-    "K bool": (
-        lambda: SpeculativeConfig("dflash", True),
-        InvalidArgumentError,
-        "num_speculative_tokens must be an int, got bool",
-    ),
-    "K float": (
-        lambda: SpeculativeConfig("eagle", 2.0),
-        InvalidArgumentError,
-        "num_speculative_tokens must be an int, got float",
-    ),
-    "K huge": (
-        lambda: SpeculativeConfig("dflash", 2**70),
-        InvalidArgumentError,
-        "num_speculative_tokens must be <= 2**63 - 1",
-    ),
-    "K = 65 (duck)": (
-        lambda: Scheduler(
-            _config_fields(speculative=SimpleNamespace(method="dflash", num_speculative_tokens=65))
-        ),
-        InvalidArgumentError,
-        "num_speculative_tokens 65 is above 64",
-    ),
-    "method None": (
-        lambda: SpeculativeConfig(None, 2),
-        InvalidArgumentError,
-        "unknown speculative method None",
-    ),
-    "method in the wrong case": (
-        lambda: SpeculativeConfig("DFlash", 2),
-        InvalidArgumentError,
-        "unknown speculative method 'DFlash'",
-    ),
-    "num_blocks bool": (
-        lambda: SchedulerConfig(True),
-        InvalidArgumentError,
-        "num_blocks must be an int, got bool",
-    ),
-    "num_blocks huge": (
-        lambda: SchedulerConfig(2**70),
-        InvalidArgumentError,
-        "num_blocks must be <= 2**63 - 1",
-    ),
-    "num_blocks huge (duck)": (
-        lambda: Scheduler(_config_fields(num_blocks=2**70)),
-        InvalidArgumentError,
-        "config.num_blocks = 1180591620717411303424 is out of range",
-    ),
-    "num_blocks 2**32 (block ids are int32)": (
-        lambda: Scheduler(SchedulerConfig(2**32)),
-        InvalidArgumentError,
-        "num_blocks (4294967296) must be at most 2**31 - 1",
-    ),
-    # Every size field is int32 on the model side; the duck configs reach the core's own check.
-    **{
-        f"{field} above int32{duck}": (
-            lambda field=field, duck=duck: (
-                Scheduler(_config_fields(**{field: 2**31}))
-                if duck
-                else SchedulerConfig(**{"num_blocks": 64, "max_model_len": 1024, field: 2**31})
-            ),
-            InvalidArgumentError,
-            f"{field} (2147483648) must be at most 2**31 - 1 = 2147483647: block ids, token "
-            "positions and counts reach the model runner as int32",
-        )
-        for field in _INT32_FIELDS
-        for duck in ("", " (duck)")
-    },
-    "the issue's max_model_len 2**40": (
-        lambda: SchedulerConfig(num_blocks=64, max_model_len=2**40, max_num_seqs=8),
-        InvalidArgumentError,
-        "max_model_len (1099511627776) must be at most 2**31 - 1",
-    ),
-    "pool cannot hold one max_model_len request": (
-        lambda: SchedulerConfig(64, max_model_len=2048),
-        InvalidArgumentError,
-        "num_blocks (64) cannot hold one request of max_model_len (2048) tokens: that needs "
-        "cdiv(2048, block_size 16) = 128 blocks plus the null block, 129 in all",
-    ),
-    "pool one block short of one max_model_len request (duck)": (
-        lambda: Scheduler(_config_fields(num_blocks=4, max_model_len=64)),
-        InvalidArgumentError,
-        "num_blocks (4) cannot hold one request of max_model_len (64) tokens: that needs "
-        "cdiv(64, block_size 16) = 4 blocks plus the null block, 5 in all",
-    ),
-    "pool short of the default max_model_len": (
-        lambda: SchedulerConfig(10),
-        InvalidArgumentError,
-        "num_blocks (10) cannot hold one request of max_model_len (8192) tokens",
-    ),
-    "block_size negative": (
-        lambda: SchedulerConfig(10, block_size=-16),
-        InvalidArgumentError,
-        "block_size must be >= 1, got -16",
-    ),
-    "block_size float": (
-        lambda: SchedulerConfig(10, block_size=16.0),
-        InvalidArgumentError,
-        "block_size must be an int, got float",
-    ),
-    "max_model_len 0": (
-        lambda: SchedulerConfig(10, max_model_len=0),
-        InvalidArgumentError,
-        "max_model_len must be >= 2",
-    ),
-    "max_model_len huge": (
-        lambda: SchedulerConfig(10, max_model_len=2**64),
-        InvalidArgumentError,
-        "max_model_len must be <= 2**63 - 1",
-    ),
-    "max_num_seqs negative": (
-        lambda: SchedulerConfig(10, max_num_seqs=-1),
-        InvalidArgumentError,
-        "max_num_seqs must be >= 1, got -1",
-    ),
-    "max_num_seqs 0 (duck)": (
-        lambda: Scheduler(_config_fields(max_num_seqs=0)),
-        InvalidArgumentError,
-        "max_num_seqs must be positive",
-    ),
-    "budget 0 (duck)": (
-        lambda: Scheduler(_config_fields(max_num_batched_tokens=0)),
-        InvalidArgumentError,
-        "max_num_batched_tokens must be positive",
-    ),
-    "long_prefill_token_threshold negative": (
-        lambda: SchedulerConfig(10, long_prefill_token_threshold=-1),
-        InvalidArgumentError,
-        "long_prefill_token_threshold must be >= 0, got -1",
-    ),
-    "enable_prefix_caching not a bool": (
-        lambda: SchedulerConfig(10, enable_prefix_caching="no"),
-        InvalidArgumentError,
-        "enable_prefix_caching must be a bool, got str",
-    ),
-    "enable_prefix_caching not a bool (duck)": (
-        lambda: Scheduler(_config_fields(enable_prefix_caching="no")),
-        InvalidArgumentError,
-        "config.enable_prefix_caching has the wrong type",
-    ),
-    "enable_chunked_prefill not a bool": (
-        lambda: SchedulerConfig(10, enable_chunked_prefill=1),
-        InvalidArgumentError,
-        "enable_chunked_prefill must be a bool, got int",
-    ),
-    "policy None": (
-        lambda: SchedulerConfig(10, policy=None),
-        InvalidArgumentError,
-        "policy must be 'fcfs' or 'priority', got None",
-    ),
-    "hash_seed float": (
-        lambda: Scheduler(SchedulerConfig(10, max_model_len=64, hash_seed=1.5)),
-        InvalidArgumentError,
-        "hash_seed must be str, bytes, int or None",
-    ),
-    "block_size bool (duck)": (
-        lambda: Scheduler(_config_fields(block_size=True)),
-        InvalidArgumentError,
-        "config.block_size must be an int, got the bool True",
-    ),
-    "K without a method (duck)": (
-        lambda: Scheduler(
-            _config_fields(speculative=SimpleNamespace(method="none", num_speculative_tokens=2))
-        ),
-        InvalidArgumentError,
-        "num_speculative_tokens must be 0 without a speculative method",
-    ),
-    "num_blocks numpy bool": (
-        lambda: SchedulerConfig(np.True_),
-        ArgumentTypeError,
-        "num_blocks must be an int, got bool",
-    ),
-    "K numpy bool": (
-        lambda: SpeculativeConfig("dflash", np.True_),
-        ArgumentTypeError,
-        "num_speculative_tokens must be an int, got bool",
-    ),
-    "block_size float (wrong type)": (
-        lambda: SchedulerConfig(10, block_size=16.0),
-        ArgumentTypeError,
-        "block_size must be an int, got float",
-    ),
-    "enable_prefix_caching not a bool (wrong type)": (
-        lambda: SchedulerConfig(10, enable_prefix_caching="no"),
-        ArgumentTypeError,
-        "enable_prefix_caching must be a bool, got str",
-    ),
-    "num_blocks str (duck)": (
-        lambda: Scheduler(_config_fields(num_blocks="20")),
-        ArgumentTypeError,
-        "config.num_blocks must be an int, got str",
-    ),
-    "draft_slots_per_request bool (duck)": (
-        lambda: Scheduler(_config_fields(draft_slots_per_request=True)),
-        ArgumentTypeError,
-        "config.draft_slots_per_request must be an int, got the bool True",
-    ),
-    "verify_prefix_hits str (duck)": (
-        lambda: Scheduler(_config_fields(verify_prefix_hits="yes")),
-        ArgumentTypeError,
-        "config.verify_prefix_hits must be a bool, got str",
-    ),
-    "vllm_semantics float (duck)": (
-        lambda: Scheduler(_config_fields(vllm_semantics=0.33)),
-        ArgumentTypeError,
-        "config.vllm_semantics must be a str, got float",
-    ),
-    "policy None (duck)": (
-        lambda: Scheduler(_config_fields(policy=None)),
-        ArgumentTypeError,
-        "config.policy has the wrong type (NoneType)",
-    ),
-    "no speculative attribute (duck)": (
-        lambda: Scheduler(_config_without("speculative")),
-        InvalidArgumentError,
-        'config has no attribute "speculative"',
-    ),
-    "K str (duck)": (
-        lambda: Scheduler(
-            _config_fields(speculative=SimpleNamespace(method="dflash", num_speculative_tokens="3"))
-        ),
-        ArgumentTypeError,
-        "config.speculative.num_speculative_tokens must be an int, got str",
-    ),
-    "method an int (duck)": (
-        lambda: Scheduler(
-            _config_fields(speculative=SimpleNamespace(method=3, num_speculative_tokens=3))
-        ),
-        ArgumentTypeError,
-        "config.speculative.method must be a str, got int",
-    ),
-    "speculative without K (duck)": (
-        lambda: Scheduler(_config_fields(speculative=SimpleNamespace(method="dflash"))),
-        InvalidArgumentError,
-        'config.speculative has no attribute "num_speculative_tokens"',
-    ),
-    "hash_seed bool": (
-        lambda: Scheduler(SchedulerConfig(10, max_model_len=128, hash_seed=True)),
-        ArgumentTypeError,
-        "hash_seed must be str, bytes, int or None, got bool",
-    ),
 }
 
 
@@ -1463,6 +1491,23 @@ def test_bad_config(name: str) -> None:
     with pytest.raises(error, match=re.escape(fragment)) as info:
         make()
     assert isinstance(info.value, DFlashRsError)
+
+
+def test_numpy_integers_in_configs_are_stored_as_ints() -> None:
+    config = SchedulerConfig(
+        np.int64(64),
+        block_size=np.int32(16),
+        max_model_len=np.uint16(256),
+        speculative=SpeculativeConfig("dflash", np.int8(3)),
+    )
+    assert type(config.num_blocks) is int and config.num_blocks == 64
+    assert type(config.block_size) is int and type(config.max_model_len) is int
+    assert speculative_k_is_int(config)
+
+
+def speculative_k_is_int(config: SchedulerConfig) -> bool:
+    assert config.speculative is not None
+    return type(config.speculative.num_speculative_tokens) is int
 
 
 def test_argument_type_error_is_a_type_error() -> None:
@@ -1505,7 +1550,6 @@ def test_numpy_integer_scalars_are_ints() -> None:
     assert [type(v) for v in (request.max_tokens, request.eos_token_id, request.priority)] == [
         int
     ] * 3
-    assert request.stop_token_ids == (8, 9) and type(request.stop_token_ids[0]) is int
     sched.add_request(request)
     # The bindings read a duck request's numpy fields too.
     sched.add_request(

@@ -206,23 +206,34 @@ def test_vllm_builds_what_we_refuse(offline: Any) -> None:
 # ---------------------------------------------------------------- per-request refusals
 
 
-def _structured(offline: Any) -> Any:
+def _reasoning_structured(offline: Any) -> tuple[Any, Any]:
+    """A structured-output request on an engine with a reasoning parser (without
+    ``enable_in_reasoning``): the manager would read the request's token history."""
+    from vllm.config import StructuredOutputsConfig
     from vllm.sampling_params import StructuredOutputsParams
 
-    return offline.request(
-        "so", [20] * 20, 4, structured_outputs=StructuredOutputsParams(json={"type": "object"})
+    so_config = StructuredOutputsConfig(backend="xgrammar", reasoning_parser="deepseek_r1")
+    cfg, kv = offline.configs(
+        num_blocks=64, tokenizer=True, vllm={"structured_outputs_config": so_config}
     )
+    scheduler = offline.scheduler(DFlashRsScheduler, cfg, kv)
+    params = StructuredOutputsParams(json={"type": "object"})
+    params._backend = "xgrammar"
+    request = offline.request("so", [20] * 20, 4, structured_outputs=params)
+    scheduler.structured_output_manager.grammar_init(request)
+    return scheduler, request
 
 
+@pytest.mark.filterwarnings("ignore:max_rollback_tokens is deprecated:DeprecationWarning")
 @pytest.mark.parametrize(
     "make,words",
     [
-        (_structured, "structured outputs"),
+        (_reasoning_structured, "enable_in_reasoning"),
     ],
-    ids=["structured-outputs"],
+    ids=["structured-outputs-with-reasoning-parser"],
 )
-def test_refused_request(scheduler: Any, offline: Any, make: Any, words: str) -> None:
-    request = make(offline)
+def test_refused_request(offline: Any, make: Any, words: str) -> None:
+    scheduler, request = make(offline)
     scheduler.add_request(request)
     scheduler.add_request(offline.request("ok", [21] * 20, 2))
     assert scheduler.has_requests() and not scheduler.has_request(request.request_id)

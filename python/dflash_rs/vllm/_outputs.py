@@ -62,6 +62,9 @@ class OutputBuilder:
         self.preempted_between_steps: set[str] = set()
         #: Requests that finished in the last engine_outputs call.
         self.num_finished = 0
+        self.core = core
+        #: The scheduler's structured-output requests (``_structured.StructuredOutputs``).
+        self.structured: Any = None
 
     def scheduler_output(self, out: Any, now: float) -> Any:
         """vLLM's ``SchedulerOutput`` for the dflash-rs step ``out``; updates the bookkeeping
@@ -180,6 +183,13 @@ class OutputBuilder:
         stats), events, logprobs, prompt logprobs, NaN counts, or the final one."""
         book = self.book
         request = book.requests[rid]
+        structured = self.structured
+        if structured is not None and rid in structured.live and tokens:
+            if not structured.accept(request, tokens):
+                # vLLM ends a request whose grammar rejects its tokens, with an error.
+                if finish is None:
+                    self.core.finish_requests([rid], "error")
+                finish = ("error", None if finish is None else finish[1])
         kwargs: dict[str, Any] = {}
         events = book.take_events(rid, request)
         if events is not None:

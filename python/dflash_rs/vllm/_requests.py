@@ -23,8 +23,6 @@ def unsupported_reason(request: Any) -> Optional[str]:
     params = request.sampling_params
     if request.pooling_params is not None or params is None:
         return "pooling requests are not supported"
-    if request.use_structured_output:
-        return "structured outputs (guided decoding) are not supported"
     if request.mm_features:
         return "multimodal inputs are not supported"
     if request.prompt_embeds is None and request.prompt_token_ids is None:
@@ -115,6 +113,8 @@ class RequestBook:
         self.recently_finished: Optional[dict[str, Any]] = None
         #: Requests whose prompt logprobs the runner returned with the output being applied.
         self.prompt_logprobs_due: set[str] = set()
+        #: The scheduler's structured-output requests (``_structured.StructuredOutputs``).
+        self.structured: Any = None
 
     def add(self, request: Any) -> None:
         rid = request.request_id
@@ -207,6 +207,8 @@ class RequestBook:
         self.always_slow.discard(rid)
         self.prompt_logprobs_due.discard(rid)
         self.slow_path.discard(rid)
+        if self.structured is not None and rid in self.structured.live:
+            self.structured.forget(rid)
         if request.client_index:
             self.num_other_clients -= 1
         if self.recently_finished is not None:

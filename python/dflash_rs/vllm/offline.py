@@ -1,10 +1,12 @@
-"""Build vLLM's scheduler inputs offline: no GPU, no weights, no tokenizer, no hub access.
+"""Build vLLM's scheduler inputs offline: no GPU, no weights, no hub access.
 
 For tests, benchmarks and trying the drop-in by hand. Mirrors how vLLM's own unit tests build a
 scheduler (``tests/v1/core/utils.py``) and ``dflash_rs.bench.vllm_driver``: config.json-only
 model directories (a tiny Llama target; EAGLE and DFlash drafts), a CPU ``DeviceConfig``, and a
 ``KVCacheConfig`` of one full-attention group with the requested number of blocks (null block
-included). Requests are built with the block hasher EngineCore uses.
+included). Requests are built with the block hasher EngineCore uses. Structured outputs need a
+tokenizer: ``write_tokenizer`` saves a tiny byte-level one beside the target's config.json
+(``configs(tokenizer=True)`` loads it).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from typing import Any, Callable, Optional, Sequence
 from dflash_rs.vllm._compat import installed
 
 __all__ = [
+    "TOKENIZER_VOCAB",
     "VOCAB",
     "OfflineVllm",
     "write_model_dirs",
+    "write_tokenizer",
 ]
 
 VOCAB = 32000
@@ -54,6 +58,12 @@ _DRAFTS: dict[str, dict[str, Any]] = {
 }
 
 
+#: The special tokens of ``write_tokenizer``'s tokenizer, at the target config's ids.
+_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+#: Its vocabulary: the special tokens, then one token per byte (no merges).
+TOKENIZER_VOCAB = len(_SPECIAL_TOKENS) + 256
+
+
 def write_model_dirs(root: str) -> dict[str, str]:
     """Writes config.json-only checkpoints under ``root``: ``target`` and one per draft."""
     dirs = {}
@@ -64,6 +74,36 @@ def write_model_dirs(root: str) -> dict[str, str]:
             json.dump({**_TARGET, **extra}, f)
         dirs[name] = path
     return dirs
+
+
+def write_tokenizer(path: str) -> None:
+    """Saves a tiny byte-level BPE tokenizer (``tokenizers``) in the model directory ``path``:
+    ``tokenizer.json`` and ``tokenizer_config.json``. Ids 0-2 are ``<unk>``, ``<s>`` and
+    ``</s>`` (the target's BOS 1 and EOS 2), then one token per byte, with no merges: every
+    string encodes, deterministically, within the model's vocabulary (``TOKENIZER_VOCAB``
+    tokens, ``VOCAB`` above it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(_SPECIAL_TOKENS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(_SPECIAL_TOKENS))
+    os.makedirs(path, exist_ok=True)
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": False,
+        "model_max_length": _TARGET["max_position_embeddings"],
+    }
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
 
 
 @dataclass
@@ -111,20 +151,25 @@ class OfflineVllm:
         parallel: Optional[dict[str, Any]] = None,
         vllm: Optional[dict[str, Any]] = None,
         kv_cache_groups: Optional[Sequence[Any]] = None,
+        tokenizer: bool = False,
     ) -> tuple[Any, Any]:
         """``(VllmConfig, KVCacheConfig)`` for a tiny Llama with one full-attention group.
 
         ``scheduler``/``speculative``/``parallel``/``vllm`` hold extra keyword arguments of
         vLLM's ``SchedulerConfig``/``SpeculativeConfig``/``ParallelConfig``/``VllmConfig`` (e.g.
         ``scheduler={"prefill_schedule_interval": 4}``, ``parallel={"data_parallel_size": 2}``);
-        ``kv_cache_groups`` replaces the single full-attention group.
+        ``kv_cache_groups`` replaces the single full-attention group; ``tokenizer`` loads
+        ``write_tokenizer``'s tokenizer (written into the target's directory on first use),
+        which structured outputs need.
         """
         vc = self._vc
+        if tokenizer and not os.path.exists(os.path.join(self.dirs["target"], "tokenizer.json")):
+            write_tokenizer(self.dirs["target"])
         model = vc.ModelConfig(
             model=self.dirs["target"],
             dtype="float16",
             seed=0,
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=not tokenizer,
             max_model_len=max_model_len,
         )
         parallel = vc.ParallelConfig(**(parallel or {}))

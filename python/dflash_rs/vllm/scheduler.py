@@ -33,6 +33,7 @@ from dflash_rs.vllm._config import translate_config
 from dflash_rs.vllm._kv_events import KvEvents, create_publisher
 from dflash_rs.vllm._outputs import OutputBuilder
 from dflash_rs.vllm._requests import RequestBook, core_request, unsupported_reason
+from dflash_rs.vllm._structured import StructuredOutputs, structured_reason
 
 __all__ = ["DFlashRsScheduler"]
 
@@ -90,6 +91,10 @@ class DFlashRsScheduler(SchedulerInterface):
         self._out = OutputBuilder(
             self._core, self._book, tr.num_spec_tokens, tr.use_v2_model_runner, tr.async_scheduling
         )
+        #: Structured outputs through vLLM's manager (hooks return at once while none is live).
+        self._structured = StructuredOutputs(structured_output_manager, self._core, self.requests)
+        self._book.structured = self._structured
+        self._out.structured = self._structured
         #: vLLM's KV/EC connectors: refused at construction, so always None.
         self.connector = None
         self.ec_connector = None
@@ -132,6 +137,8 @@ class DFlashRsScheduler(SchedulerInterface):
         reason = unsupported_reason(request)
         if reason is None and self._kv_events is not None:
             reason = _kv_events_reason(request)
+        if reason is None and request.use_structured_output:
+            reason = structured_reason(self.structured_output_manager, request)
         if reason is not None:
             self._refuse_request(request, reason)
             return
@@ -142,6 +149,9 @@ class DFlashRsScheduler(SchedulerInterface):
             self._refuse_request(request, str(e))
             return
         self._book.add(request)
+        if request.use_structured_output:
+            self._structured.add(request)
+            self._book.always_slow.add(request.request_id)  # its outputs advance its grammar
 
     def _refuse_request(self, request: Any, reason: str) -> None:
         """Ends a request at once: its final output (finish reason ``error``) goes out with the
@@ -204,7 +214,12 @@ class DFlashRsScheduler(SchedulerInterface):
         # The core follows the pause state: PAUSED_NEW admits nobody, PAUSED_ALL schedules
         # nothing (the step still reports finished and preempted ids).
         now = time.monotonic()
+        structured = self._structured
+        if structured.held:
+            structured.release_ready()
         core_out = self._core.schedule(throttle_prefills)
+        if structured.held:
+            structured.note_passed_over()
         self._num_finished_unreported = 0  # the step reports every id finished so far
         for rid in core_out.finished_req_ids:
             request = self._book.finished(rid, RequestStatus.FINISHED_ERROR)
@@ -219,11 +234,15 @@ class DFlashRsScheduler(SchedulerInterface):
         if self._kv_events is not None:
             self._kv_events.collect()
         out = self._out.scheduler_output(core_out, now)
+        if structured.live:
+            structured.mark_step(out, core_out, self.async_scheduling)
         self._in_flight.append((out, core_out))
         return out
 
     def get_grammar_bitmask(self, scheduler_output: Any) -> Any:
-        return None  # structured outputs are refused at add_request
+        """vLLM's ``GrammarOutput`` for the structured requests that sample in the step (their
+        bitmask rows from vLLM's ``StructuredOutputManager``), or None."""
+        return self._structured.grammar_bitmask(scheduler_output)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
         core_out = self._oldest_in_flight(scheduler_output)
@@ -238,6 +257,11 @@ class DFlashRsScheduler(SchedulerInterface):
         else:
             by_client = {}
         self._in_flight.popleft()
+        structured = self._structured
+        if structured.rows:
+            structured.step_done(scheduler_output)
+        if structured.compile_errors:
+            self._fail_grammars(by_client)
         if self._kv_events is not None:
             self._kv_events.publish(self.kv_event_publisher)
         if self._error_outputs:
@@ -261,6 +285,15 @@ class DFlashRsScheduler(SchedulerInterface):
             eco.scheduler_stats = stats
         return outputs
 
+    def _fail_grammars(self, by_client: dict[int, list[Any]]) -> None:
+        """Ends the requests whose grammar failed to compile, with vLLM's error output."""
+        errors = self._structured.compile_errors
+        self._structured.compile_errors = {}
+        for request in self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR):
+            message = errors[request.request_id]
+            output = self._out.error_output(request, message, code="validation_error")
+            by_client.setdefault(request.client_index, []).append(output)
+
     def _oldest_in_flight(self, scheduler_output: Any) -> Any:
         """The core's step of ``scheduler_output``, which must be the oldest one awaiting its
         output (left in the queue: it leaves once its output is applied)."""
@@ -272,20 +305,27 @@ class DFlashRsScheduler(SchedulerInterface):
         return self._in_flight[0][1]
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        if self._structured.live:
+            self._structured.validate_drafts(draft_token_ids)  # grammar-valid prefixes
         self._out.bridge.update_draft_token_ids(draft_token_ids)
 
     def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> None:
         """Async scheduling: replaces the placeholder drafts of an already built output with
-        the runner's, cut to the scheduled count; missing ones are padded with -1 and counted in
+        the runner's, cut to the scheduled count and, for structured requests, to their
+        grammar-valid prefix; missing ones are padded with -1 and counted in
         ``num_invalid_spec_tokens`` (left out of the spec-decoding stats), as vLLM does."""
         invalid: dict[str, int] = {}
         scheduled = scheduler_output.scheduled_spec_decode_tokens
+        structured = self._structured.live
+        requests = self._book.requests
         for rid, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
             placeholders = scheduled.get(rid)
-            if not placeholders or rid not in self._book.requests:
+            if not placeholders or rid not in requests:
                 continue
             n = len(placeholders)
-            del drafts[n:]  # in place, like vLLM (structured outputs, which filter, are refused)
+            del drafts[n:]  # in place, like vLLM
+            if structured and rid in structured:
+                drafts = self.structured_output_manager.validate_tokens(requests[rid], drafts)
             if len(drafts) < n:
                 invalid[rid] = n - len(drafts)
                 drafts.extend([-1] * (n - len(drafts)))

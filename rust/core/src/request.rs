@@ -174,6 +174,9 @@ pub struct Request {
     /// Passed over at admission (`max_loras`, stale output in flight) and not admitted since:
     /// vLLM's `deferred_waiting`, reported as skipped waiting requests.
     pub deferred: bool,
+    /// Held back from admission until released (vLLM's `WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`:
+    /// its grammar is still compiling); passed over at admission, keeping its place.
+    pub admission_hold: bool,
 }
 
 impl Request {
@@ -215,6 +218,7 @@ impl Request {
             num_output_placeholders: 0,
             num_in_flight_tokens: 0,
             deferred: false,
+            admission_hold: false,
         }
     }
 

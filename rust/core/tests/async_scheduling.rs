@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{add, apply, check_ownership, req, schedule};
+use common::{add, apply, check_ownership, req, schedule, workload, Workload};
 use dflash_core::lookahead::SpecMethod;
 use dflash_core::scheduler::PLACEHOLDER_TOKEN;
 use dflash_core::table_snapshot::{SnapshotPool, TableSnapshot};
@@ -276,45 +276,6 @@ fn without_async_mode_a_step_in_flight_blocks_the_next_decode() {
 // ------------------------------------------------------------------------------------------
 // property test: ownership and invariants with up to three steps in flight, lost steps included
 
-#[derive(Debug, Clone)]
-struct Workload {
-    async_scheduling: bool,
-    method: SpecMethod,
-    k: usize,
-    num_blocks: usize,
-    in_flight: usize,
-    prompts: Vec<(usize, usize)>,
-    seed: u64,
-}
-
-fn workload() -> impl Strategy<Value = Workload> {
-    (
-        prop::sample::select(vec![
-            SpecMethod::DFlash,
-            SpecMethod::Eagle,
-            SpecMethod::Ngram,
-            SpecMethod::None,
-        ]),
-        1usize..=6,
-        12usize..40,
-        1usize..=3,
-        prop::collection::vec((1usize..120, 1usize..60), 1..16),
-        any::<u64>(),
-        prop::bool::weighted(0.75),
-    )
-        .prop_map(
-            |(method, k, num_blocks, in_flight, prompts, seed, async_scheduling)| Workload {
-                async_scheduling,
-                method,
-                k: if method == SpecMethod::None { 0 } else { k },
-                num_blocks,
-                in_flight,
-                prompts,
-                seed,
-            },
-        )
-}
-
 /// What the scheduler's callers can observe: counters, queues and every request's progress.
 fn state_of(s: &Scheduler) -> String {
     let requests: Vec<String> = s
@@ -514,7 +475,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
     #[test]
-    fn ownership_and_invariants_hold_with_steps_in_flight(w in workload()) {
+    fn ownership_and_invariants_hold_with_steps_in_flight(w in workload(6, 16, 0.75)) {
         let result = run(&w);
         prop_assert!(result.is_ok(), "{:?}", result);
     }

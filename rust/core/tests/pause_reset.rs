@@ -8,7 +8,7 @@ use std::collections::{HashSet, VecDeque};
 
 mod common;
 
-use common::{add, apply, check_ownership, ids, req, schedule};
+use common::{add, apply, check_ownership, ids, req, schedule, workload, Workload};
 use dflash_core::lookahead::SpecMethod;
 use dflash_core::{
     EntryKind, FinishReason, PauseState, RequestStatus, Scheduler, SchedulerConfig, StepOutput,
@@ -370,45 +370,6 @@ fn pause_state_names_round_trip() {
 // ------------------------------------------------------------------------------------------
 // property test: invariants, ownership and dropped outputs with resets and pauses
 
-#[derive(Debug, Clone)]
-struct Workload {
-    method: SpecMethod,
-    k: usize,
-    num_blocks: usize,
-    async_scheduling: bool,
-    in_flight: usize,
-    prompts: Vec<(usize, usize)>,
-    seed: u64,
-}
-
-fn workload() -> impl Strategy<Value = Workload> {
-    (
-        prop::sample::select(vec![
-            SpecMethod::DFlash,
-            SpecMethod::Eagle,
-            SpecMethod::Ngram,
-            SpecMethod::None,
-        ]),
-        1usize..=4,
-        12usize..40,
-        any::<bool>(),
-        1usize..=3,
-        prop::collection::vec((1usize..120, 1usize..60), 1..12),
-        any::<u64>(),
-    )
-        .prop_map(
-            |(method, k, num_blocks, async_scheduling, in_flight, prompts, seed)| Workload {
-                method,
-                k: if method == SpecMethod::None { 0 } else { k },
-                num_blocks,
-                async_scheduling,
-                in_flight,
-                prompts,
-                seed,
-            },
-        )
-}
-
 /// Ownership, invariants and the pause state's rules for a step just scheduled.
 fn check_scheduled(
     s: &Scheduler,
@@ -561,7 +522,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
 
     #[test]
-    fn invariants_hold_through_resets_and_pauses(w in workload()) {
+    fn invariants_hold_through_resets_and_pauses(w in workload(4, 12, 0.5)) {
         let result = run(&w);
         prop_assert!(result.is_ok(), "{:?}", result);
     }

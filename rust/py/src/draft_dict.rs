@@ -7,7 +7,7 @@
 //! the items, outside the lock, with the precise errors.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::types::{PyDict, PyMapping, PyString};
 
 use crate::convert::{push_exact_token_ids, token_ids};
 use crate::errors::{invalid, unless_fatal, wrong_type};
@@ -29,14 +29,27 @@ pub struct DraftTexts {
     counts: Vec<u32>,
 }
 
-/// `drafts` as a dict, or the typed error.
-pub fn as_draft_dict<'a, 'py>(drafts: &'a Bound<'py, PyAny>) -> PyResult<&'a Bound<'py, PyDict>> {
-    drafts.cast::<PyDict>().map_err(|_| {
-        wrong_type(
-            drafts.py(),
-            "draft token ids must be a dict[str, list[int]]",
-        )
-    })
+/// `drafts` as a dict: the dict itself, or a dict copy of any other mapping
+/// (`collections.abc.Mapping`: `MappingProxyType`, a user's class); else the typed error.
+pub fn as_draft_dict<'py>(drafts: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+    let py = drafts.py();
+    if let Ok(dict) = drafts.cast::<PyDict>() {
+        return Ok(dict.clone());
+    }
+    let not_a_mapping = || wrong_type(py, "draft token ids must be a Mapping[str, Sequence[int]]");
+    let mapping = drafts.cast::<PyMapping>().map_err(|_| not_a_mapping())?;
+    let dict = PyDict::new(py);
+    let items = mapping
+        .items()
+        .map_err(|e| unless_fatal(py, e, not_a_mapping))?;
+    for item in items.iter() {
+        let (key, value) = item
+            .extract::<(Bound<'py, PyAny>, Bound<'py, PyAny>)>()
+            .map_err(|e| unless_fatal(py, e, not_a_mapping))?;
+        dict.set_item(key, value)
+            .map_err(|e| unless_fatal(py, e, not_a_mapping))?;
+    }
+    Ok(dict)
 }
 
 /// The one-pass read of an exact dict of exact strs and token lists, `resolve` naming each

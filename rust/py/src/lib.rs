@@ -36,6 +36,19 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<outputs::PyCachedRequestData>()?;
     m.add_class::<outputs::PyRequestOutput>()?;
     m.add_class::<outputs::PyUpdateResult>()?;
+    // Private: the config classes of the Python package validate themselves through these.
+    m.setattr(
+        "_check_scheduler_config",
+        wrap_pyfunction!(scheduler_args::check_scheduler_config, m)?,
+    )?;
+    m.setattr(
+        "_check_request",
+        wrap_pyfunction!(scheduler_args::check_request, m)?,
+    )?;
+    m.setattr(
+        "_check_speculative_config",
+        wrap_pyfunction!(scheduler_args::check_speculative_config, m)?,
+    )?;
     // Private to `dflash_rs.vllm`: set as an attribute so it stays out of `__all__`.
     m.setattr(
         "_VllmBridge",

@@ -654,11 +654,11 @@ impl PyScheduler {
         let dict = draft_dict::as_draft_dict(draft_token_ids)?;
         if let Some(applied) = self
             .state
-            .with(py, |st| st.install_exact_draft_dict(py, dict))?
+            .with(py, |st| st.install_exact_draft_dict(py, &dict))?
         {
             return Ok(applied);
         }
-        let drafts = draft_dict::read_general(dict)?;
+        let drafts = draft_dict::read_general(&dict)?;
         self.state.with(py, |st| {
             let k = st.inner.config().num_speculative_tokens;
             let live = drafts.resolve(py, k, |id| st.slot_by_text(id))?;
@@ -821,6 +821,36 @@ impl PyScheduler {
         self.state.with(py, |st| {
             st.inner.set_pause_state(pause);
             Ok(())
+        })
+    }
+
+    /// Holds a waiting request back from admission (`hold=True`), or releases it: vLLM's
+    /// structured-output requests whose grammar is still compiling. A held request keeps its
+    /// queue place and counts as a skipped waiting request until admitted or finished.
+    /// `KeyError` for an unknown id, `ValueError` for a request that has run.
+    fn set_admission_hold(
+        &self,
+        py: Python<'_>,
+        request_id: RequestId<'_>,
+        hold: bool,
+    ) -> PyResult<()> {
+        self.state.with(py, |st| {
+            st.inner.set_admission_hold(&request_id, hold).py(py)
+        })
+    }
+
+    /// Whether a live request is held back from admission.
+    fn is_admission_held(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<bool> {
+        self.state
+            .with(py, |st| st.inner.is_admission_held(&request_id).py(py))
+    }
+
+    /// Held requests the last `schedule()` passed over (the ones its admission loop reached),
+    /// in queue order.
+    fn held_passed_over(&self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
+        self.state.with(py, |st| {
+            let slots = st.inner.held_passed_over().to_vec();
+            slots.iter().map(|&s| st.id_of(py, s)).collect()
         })
     }
 

@@ -11,7 +11,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyString};
 
 use crate::convert::{
-    int_named, non_negative, opt_str_named, str_named, token_ids, token_ids_with_capacity, Int,
+    int_named, non_negative, opt_str_named, positive, str_named, token_ids,
+    token_ids_with_capacity, Int,
 };
 use crate::errors::{invalid, type_name, unless_fatal, wrong_type, IntoPyResult};
 
@@ -25,70 +26,140 @@ fn get_attr<'py>(obj: &Bound<'py, PyAny>, owner: &str, name: &str) -> PyResult<B
     })
 }
 
-fn attr<'py, T: FromPyObjectOwned<'py, Error = PyErr>>(
-    obj: &Bound<'py, PyAny>,
-    name: &str,
-) -> PyResult<T> {
-    let py = obj.py();
-    let value = get_attr(obj, "config", name)?;
-    value.extract::<T>().map_err(|e| {
+/// `config.<name>` as a str (the name of a policy, an algorithm, a series).
+fn name_attr(config: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
+    let value = get_attr(config, "config", name)?;
+    Ok(str_named(value.as_borrowed(), &format!("config.{name}"))?.into_owned())
+}
+
+/// `config.<name>` as a bool: a Python bool (or numpy's), never an int or other truthy object.
+fn flag(config: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+    let value = get_attr(config, "config", name)?;
+    bool_named(&value, &format!("config.{name}"))
+}
+
+/// An optional bool attribute of the config (absent: `default`), so configs written for
+/// earlier versions keep working.
+fn opt_flag(config: &Bound<'_, PyAny>, name: &str, default: bool) -> PyResult<bool> {
+    match config.getattr(name) {
+        Ok(value) => bool_named(&value, &format!("config.{name}")),
+        Err(_) => Ok(default),
+    }
+}
+
+/// `value` as a bool named `what`.
+fn bool_named(value: &Bound<'_, PyAny>, what: &str) -> PyResult<bool> {
+    let py = value.py();
+    value.extract().map_err(|e| {
         unless_fatal(py, e, || {
             wrong_type(
                 py,
-                format!("config.{name} has the wrong type ({})", type_name(&value)),
+                format!("{what} must be a bool, got {}", type_name(value)),
             )
         })
     })
 }
 
-/// An optional bool attribute of the config (absent: `default`).
-fn opt_flag(config: &Bound<'_, PyAny>, name: &str, default: bool) -> PyResult<bool> {
+/// `config.<name>` as a count of at least `minimum`.
+fn count(config: &Bound<'_, PyAny>, name: &str, minimum: usize) -> PyResult<usize> {
     let py = config.py();
-    match config.getattr(name) {
-        Ok(v) => v.extract().map_err(|e| {
-            unless_fatal(py, e, || {
-                wrong_type(
-                    py,
-                    format!("config.{name} must be a bool, got {}", type_name(&v)),
-                )
-            })
-        }),
-        Err(_) => Ok(default),
+    let what = format!("config.{name}");
+    let value = int_named(&get_attr(config, "config", name)?, &what)?;
+    usize::try_from(value)
+        .ok()
+        .filter(|&v| v >= minimum)
+        .ok_or_else(|| invalid(py, format!("{what} must be >= {minimum}, got {value}")))
+}
+
+/// An optional count of at least 0 (absent: `default`).
+fn opt_count(config: &Bound<'_, PyAny>, name: &str, default: usize) -> PyResult<usize> {
+    if config.hasattr(name).unwrap_or(false) {
+        count(config, name, 0)
+    } else {
+        Ok(default)
     }
+}
+
+/// The most speculative tokens a method may propose per step.
+const MAX_SPECULATIVE_TOKENS: i64 = 64;
+
+/// A speculative config (`method`, `num_speculative_tokens`); `what` names it in messages
+/// ("config.speculative" inside a scheduler config, "speculative" alone).
+fn speculative_from_py(spec: &Bound<'_, PyAny>, what: &str) -> PyResult<(SpecMethod, usize)> {
+    let py = spec.py();
+    let has = |name: &str| spec.hasattr(name).unwrap_or(false);
+    if !has("method") && !has("num_speculative_tokens") {
+        return Err(wrong_type(
+            py,
+            format!(
+                "{what} must be a SpeculativeConfig or None, got {}",
+                type_name(spec)
+            ),
+        ));
+    }
+    let method = get_attr(spec, what, "method")?;
+    let method =
+        SpecMethod::from_name(&str_named(method.as_borrowed(), &format!("{what}.method"))?)
+            .py(py)?;
+    let k_what = format!("{what}.num_speculative_tokens");
+    let k = int_named(&get_attr(spec, what, "num_speculative_tokens")?, &k_what)?;
+    // Without a method K must be 0, which the core checks (with the method's name).
+    if method != SpecMethod::None && !(1..=MAX_SPECULATIVE_TOKENS).contains(&k) {
+        return Err(invalid(
+            py,
+            format!("{k_what} must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}"),
+        ));
+    }
+    Ok((method, non_negative(py, &k_what, k)?))
+}
+
+/// Checks a `SpeculativeConfig` on its own (its constructor calls this): the same checks, and
+/// messages, as when a scheduler reads it.
+#[pyfunction]
+#[pyo3(name = "_check_speculative_config")]
+pub fn check_speculative_config(spec: &Bound<'_, PyAny>) -> PyResult<()> {
+    let (method, _) = speculative_from_py(spec, "speculative")?;
+    if method == SpecMethod::None {
+        return Err(invalid(
+            spec.py(),
+            "unknown speculative method \"none\": without speculation pass speculative=None",
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a `SchedulerConfig` (its constructor calls this): every check a `Scheduler` makes of
+/// its config, with the same messages, so a config is validated by one piece of code.
+#[pyfunction]
+#[pyo3(name = "_check_scheduler_config")]
+pub fn check_scheduler_config(config: &Bound<'_, PyAny>) -> PyResult<()> {
+    config_from_py(config).map(drop)
 }
 
 pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
     let py = config.py();
-    let count = |name: &str| -> PyResult<usize> {
-        let value = get_attr(config, "config", name)?;
-        non_negative(py, name, int_named(&value, &format!("config.{name}"))?)
-    };
     let mut c = SchedulerConfig::new(
-        count("num_blocks")?,
-        count("block_size")?,
-        count("max_model_len")?,
-        count("max_num_seqs")?,
-        count("max_num_batched_tokens")?,
+        count(config, "num_blocks", 2)?,
+        count(config, "block_size", 1)?,
+        count(config, "max_model_len", 2)?,
+        count(config, "max_num_seqs", 1)?,
+        count(config, "max_num_batched_tokens", 1)?,
     );
-    c.enable_prefix_caching = attr(config, "enable_prefix_caching")?;
-    c.enable_chunked_prefill = attr(config, "enable_chunked_prefill")?;
-    c.long_prefill_token_threshold = count("long_prefill_token_threshold")?;
-    c.policy = Policy::from_name(&attr::<String>(config, "policy")?).py(py)?;
-    c.hash_algo = HashAlgo::from_name(&attr::<String>(config, "hash_algo")?).py(py)?;
-    // Optional, so configs written for earlier versions keep working.
+    c.enable_prefix_caching = flag(config, "enable_prefix_caching")?;
+    c.enable_chunked_prefill = flag(config, "enable_chunked_prefill")?;
+    c.long_prefill_token_threshold = count(config, "long_prefill_token_threshold", 0)?;
+    c.policy = Policy::from_name(&name_attr(config, "policy")?).py(py)?;
+    c.hash_algo = HashAlgo::from_name(&name_attr(config, "hash_algo")?).py(py)?;
     c.verify_prefix_hits = opt_flag(config, "verify_prefix_hits", c.verify_prefix_hits)?;
     c.pad_admitted_decodes = opt_flag(config, "pad_admitted_decodes", c.pad_admitted_decodes)?;
-    if config.hasattr("draft_slots_per_request").unwrap_or(false) {
-        c.draft_slots_per_request = count("draft_slots_per_request")?;
-    }
+    c.draft_slots_per_request =
+        opt_count(config, "draft_slots_per_request", c.draft_slots_per_request)?;
     c.drop_last_hit_block = opt_flag(config, "drop_last_hit_block", c.drop_last_hit_block)?;
-    if config.hasattr("hash_lookahead_tokens").unwrap_or(false) {
-        c.hash_lookahead_tokens = count("hash_lookahead_tokens")?;
-    }
+    c.hash_lookahead_tokens = opt_count(config, "hash_lookahead_tokens", c.hash_lookahead_tokens)?;
     c.kv_events = opt_flag(config, "kv_events", c.kv_events)?;
-    if let Ok(v) = config.getattr("vllm_semantics") {
-        let name = str_named(v.as_borrowed(), "config.vllm_semantics")?;
-        c.vllm_semantics = VllmSemantics::from_name(&name).py(py)?;
+    if config.hasattr("vllm_semantics").unwrap_or(false) {
+        c.vllm_semantics =
+            VllmSemantics::from_name(&name_attr(config, "vllm_semantics")?).py(py)?;
     }
     c.refuse_idle_steps = opt_flag(config, "refuse_idle_steps", c.refuse_idle_steps)?;
     c.pool_must_hold_max_model_len = opt_flag(
@@ -97,25 +168,15 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
         c.pool_must_hold_max_model_len,
     )?;
     c.async_scheduling = opt_flag(config, "async_scheduling", c.async_scheduling)?;
-    if config.hasattr("max_loras").unwrap_or(false) {
-        c.max_loras = count("max_loras")?;
-    }
-    if config.hasattr("local_prefill_interval").unwrap_or(false) {
-        c.local_prefill_interval = count("local_prefill_interval")?;
-    }
+    c.max_loras = opt_count(config, "max_loras", c.max_loras)?;
+    c.local_prefill_interval =
+        opt_count(config, "local_prefill_interval", c.local_prefill_interval)?;
     c.lookahead_policy =
-        LookaheadPolicy::from_name(&attr::<String>(config, "lookahead_policy")?).py(py)?;
+        LookaheadPolicy::from_name(&name_attr(config, "lookahead_policy")?).py(py)?;
     let speculative = get_attr(config, "config", "speculative")?;
     if !speculative.is_none() {
-        let method = get_attr(&speculative, "config.speculative", "method")?;
-        let method = str_named(method.as_borrowed(), "config.speculative.method")?;
-        c.spec_method = SpecMethod::from_name(&method).py(py)?;
-        let k = get_attr(&speculative, "config.speculative", "num_speculative_tokens")?;
-        c.num_speculative_tokens = non_negative(
-            py,
-            "num_speculative_tokens",
-            int_named(&k, "config.speculative.num_speculative_tokens")?,
-        )?;
+        (c.spec_method, c.num_speculative_tokens) =
+            speculative_from_py(&speculative, "config.speculative")?;
     }
     let seed: Option<Bound<'_, PyAny>> = config.getattr("hash_seed").ok().filter(|s| !s.is_none());
     c.hash_seed = crate::hash_config::seed_bytes(py, seed.as_ref())?;
@@ -229,34 +290,63 @@ fn prompt_embed_hashes(req: &Bound<'_, PyAny>) -> PyResult<Vec<BlockHash>> {
 /// outputs up to `max_model_len` ([`token_capacity`]), so submitting it copies nothing.
 pub fn request_spec<'py>(req: &Bound<'py, PyAny>, max_model_len: usize) -> PyResult<RequestSpec> {
     let py = req.py();
-    let get = |name: &Bound<'py, PyString>| -> PyResult<Bound<'py, PyAny>> {
-        req.getattr(name).map_err(|e| {
-            unless_fatal(py, e, || {
-                invalid(py, format!("request has no attribute \"{name}\""))
-            })
+    let mut spec = request_fields(req)?;
+    let prompt = req_attr(req, intern!(py, "prompt_token_ids"))?;
+    spec.prompt_token_ids = token_ids_with_capacity(&prompt, "prompt_token_ids", |len| {
+        token_capacity(len, spec.max_tokens, max_model_len)
+    })?;
+    Ok(spec)
+}
+
+/// Checks a request's fields, its prompt's tokens aside (`Request`'s constructor calls this;
+/// the prompt is read, and checked, when the request is submitted): the checks, and messages,
+/// of submission.
+#[pyfunction]
+#[pyo3(name = "_check_request")]
+pub fn check_request(request: &Bound<'_, PyAny>) -> PyResult<()> {
+    request_fields(request).map(drop)
+}
+
+/// `request.<name>`, or `InvalidArgumentError` naming the missing attribute.
+fn req_attr<'py>(
+    req: &Bound<'py, PyAny>,
+    name: &Bound<'py, PyString>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = req.py();
+    req.getattr(name).map_err(|e| {
+        unless_fatal(py, e, || {
+            invalid(py, format!("request has no attribute \"{name}\""))
         })
-    };
+    })
+}
+
+/// Every field of a request but its prompt (left empty), checked.
+fn request_fields(req: &Bound<'_, PyAny>) -> PyResult<RequestSpec> {
+    let py = req.py();
+    let get = |name| req_attr(req, name);
     let request_id =
         str_named(get(intern!(py, "request_id"))?.as_borrowed(), "request_id")?.into_owned();
+    crate::convert::request_id(py, &request_id)?;
     let max_tokens = int_named(&get(intern!(py, "max_tokens"))?, "max_tokens")?;
-    let room_for = usize::try_from(max_tokens).unwrap_or(0);
-    let prompt = token_ids_with_capacity(
-        &get(intern!(py, "prompt_token_ids"))?,
-        "prompt_token_ids",
-        |len| token_capacity(len, room_for, max_model_len),
-    )?;
     let min_tokens = int_named(&get(intern!(py, "min_tokens"))?, "min_tokens")?;
     let stop = token_ids(&get(intern!(py, "stop_token_ids"))?, "stop_token_ids")?;
     let arrival = get(intern!(py, "arrival_time"))?;
     let arrival_time = if arrival.is_none() {
         0.0
     } else {
-        number_named(&arrival, "arrival_time")?
+        let time = number_named(&arrival, "arrival_time")?;
+        if !time.is_finite() {
+            return Err(invalid(
+                py,
+                format!("arrival_time must be finite, got {time}"),
+            ));
+        }
+        time
     };
     let spec = RequestSpec {
         request_id,
-        prompt_token_ids: prompt,
-        max_tokens: non_negative(py, "max_tokens", max_tokens)?,
+        prompt_token_ids: Vec::new(),
+        max_tokens: positive(py, "max_tokens", max_tokens)?,
         eos_token_id: {
             let eos = get(intern!(py, "eos_token_id"))?;
             let eos = (!eos.is_none())
@@ -280,7 +370,10 @@ pub fn request_spec<'py>(req: &Bound<'py, PyAny>, max_model_len: usize) -> PyRes
         priority: int_named(&get(intern!(py, "priority"))?, "priority")?,
         arrival_time,
         lora_id: lora_id(req)?,
-        skip_reading_prefix_cache: opt_flag(req, "skip_reading_prefix_cache", false)?,
+        skip_reading_prefix_cache: match req.getattr(intern!(py, "skip_reading_prefix_cache")) {
+            Ok(flag) => bool_named(&flag, "skip_reading_prefix_cache")?,
+            Err(_) => false,
+        },
         extra: ExtraKeys {
             lora_name: opt_str_named(Some(&get(intern!(py, "lora_name"))?), "lora_name")?,
             cache_salt: opt_str_named(Some(&get(intern!(py, "cache_salt"))?), "cache_salt")?,

@@ -58,6 +58,12 @@ impl Scheduler {
                     "block-table row {row} holds stale ids past its count"
                 ));
             }
+            if r.admission_hold {
+                return Err(broken!(
+                    "running request {:?} is held back from admission",
+                    r.spec.request_id
+                ));
+            }
             let must_own = (r.num_computed_tokens + required).min(self.config.max_model_len);
             if r.blocks.block_ids.len() * bs < must_own {
                 return Err(broken!(
@@ -68,11 +74,20 @@ impl Scheduler {
                 ));
             }
         }
+        let mut num_deferred = 0;
         for slot in self.waiting.handles_in_order() {
             let r = self.store.get(slot)?;
+            num_deferred += usize::from(r.deferred);
             if !matches!(r.status, RequestStatus::Waiting | RequestStatus::Preempted) {
                 return Err(broken!(
                     "request {:?} is waiting with status {:?}",
+                    r.spec.request_id,
+                    r.status
+                ));
+            }
+            if r.admission_hold && (r.status != RequestStatus::Waiting || !r.deferred) {
+                return Err(broken!(
+                    "held request {:?} is {:?} or not counted as skipped",
                     r.spec.request_id,
                     r.status
                 ));
@@ -83,6 +98,12 @@ impl Scheduler {
                     r.spec.request_id
                 ));
             }
+        }
+        if num_deferred != self.num_deferred {
+            return Err(broken!(
+                "{num_deferred} waiting requests are deferred but {} are counted",
+                self.num_deferred
+            ));
         }
         self.check_in_flight()?;
         for row in self.rows.len()..table.num_rows() {

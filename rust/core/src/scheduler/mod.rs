@@ -13,6 +13,7 @@
 mod abandon;
 mod budget;
 mod cadence;
+mod hold;
 mod invariants;
 mod pause;
 mod update;
@@ -187,6 +188,8 @@ pub struct Scheduler {
     ended_unreported: Vec<EndedRequest>,
     /// Waiting requests marked `deferred`.
     num_deferred: usize,
+    /// Held requests (`set_admission_hold`) the last `schedule()` passed over, in order.
+    held_passed_over: Vec<u32>,
     /// When steps hold prefills back (`cadence.rs`).
     cadence: PrefillCadence,
 }
@@ -240,6 +243,7 @@ impl Scheduler {
             abandoned_steps: Vec::new(),
             ended_unreported: Vec::new(),
             num_deferred: 0,
+            held_passed_over: Vec::new(),
             cadence,
         })
     }
@@ -503,6 +507,7 @@ impl Scheduler {
     ) -> CoreResult<()> {
         crate::fault::hit("schedule.begin")?;
         out.clear();
+        self.held_passed_over.clear();
         let at_limit =
             self.config.refuse_idle_steps && self.in_flight.len() >= self.max_steps_in_flight();
         let lookups_before = at_limit.then(|| self.kv.prefix_cache_stats());
@@ -820,6 +825,12 @@ impl Scheduler {
                 break;
             };
             let r = self.store.get(slot)?;
+            if r.admission_hold {
+                // As vLLM's blocked statuses (a grammar still compiling): checked first.
+                self.held_passed_over.push(slot);
+                self.pass_over(slot, passed_over)?;
+                continue;
+            }
             if r.status == RequestStatus::Preempted
                 && r.num_in_flight_tokens > 0
                 && !self.drops_stale_output(slot)

@@ -2,8 +2,10 @@
 //! so a helper one file does not use is not dead code there).
 #![allow(dead_code)]
 
+use dflash_core::lookahead::SpecMethod;
 use dflash_core::request::Request;
 use dflash_core::{RequestSpec, Scheduler, StepOutput, UpdateOutput};
+use proptest::prelude::*;
 
 /// Submits `id` with a prompt of `prompt_len` tokens distinct from other requests' (EOS is 2;
 /// prompts never contain it), arriving after the requests already live.
@@ -125,4 +127,52 @@ pub fn random_output(
         }
     }
     (tokens, counts)
+}
+
+/// A random serving run for the scheduler's property tests: the method and K, the pool, how
+/// many steps may be in flight, the requests (prompt length, max tokens) and the seed of the
+/// outputs.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    pub async_scheduling: bool,
+    pub method: SpecMethod,
+    pub k: usize,
+    pub num_blocks: usize,
+    pub in_flight: usize,
+    pub prompts: Vec<(usize, usize)>,
+    pub seed: u64,
+}
+
+/// Workloads with K in `1..=max_k` (0 without speculation), fewer than `max_requests`
+/// requests, and async scheduling with probability `async_share`.
+pub fn workload(
+    max_k: usize,
+    max_requests: usize,
+    async_share: f64,
+) -> impl Strategy<Value = Workload> {
+    (
+        prop::sample::select(vec![
+            SpecMethod::DFlash,
+            SpecMethod::Eagle,
+            SpecMethod::Ngram,
+            SpecMethod::None,
+        ]),
+        1usize..=max_k,
+        12usize..40,
+        1usize..=3,
+        prop::collection::vec((1usize..120, 1usize..60), 1..max_requests),
+        any::<u64>(),
+        prop::bool::weighted(async_share),
+    )
+        .prop_map(
+            |(method, k, num_blocks, in_flight, prompts, seed, async_scheduling)| Workload {
+                async_scheduling,
+                method,
+                k: if method == SpecMethod::None { 0 } else { k },
+                num_blocks,
+                in_flight,
+                prompts,
+                seed,
+            },
+        )
 }
