@@ -2,8 +2,10 @@
 ``DFlashRsScheduler``, each with its own ``StructuredOutputManager``, on one seeded trace of
 JSON-schema, regex and choice requests mixed with plain ones.
 
-Both get equal (but separate) vLLM ``Request`` objects whose grammars their own manager
-compiles (``grammar_init``, as the engine does) on a gated executor: each compilation completes
+Both get equal (but separate) vLLM ``Request`` objects, validated as the engine's input
+processor validates them (``SamplingParams._validate_structured_outputs``: it picks the backend
+and may rewrite the constraint), whose grammars their own manager compiles (``grammar_init``,
+as the engine does) on a gated executor: each compilation completes
 at a seeded step, so requests wait for their grammar (``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``)
 at the same steps on both sides; one grammar may fail to compile. The fabricated runner samples
 what a real one may: a structured request's tokens lie in its bitmask rows (the drafts it
@@ -30,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
-
 from parity import Divergence, _norm_engine, compare_outputs
 
 EOS = 2
@@ -140,13 +141,12 @@ class StructuredLockstep:
     def __init__(self, offline: Any, p: StructuredParams) -> None:
         import os
 
+        from parity import use_v1_runner
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
 
         from dflash_rs.vllm import DFlashRsScheduler
         from dflash_rs.vllm._compat import installed
-
-        from parity import use_v1_runner
 
         self.p = p
         self.offline = offline
@@ -155,7 +155,10 @@ class StructuredLockstep:
         saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if v1 else "1"
         try:
+            from vllm.config import StructuredOutputsConfig
+
             cfg, kv = offline.configs(
+                vllm={"structured_outputs_config": StructuredOutputsConfig(backend=p.backend)},
                 num_blocks=p.num_blocks,
                 method=p.method,
                 num_speculative_tokens=p.k,
@@ -166,6 +169,7 @@ class StructuredLockstep:
                 async_scheduling=p.async_scheduling,
                 tokenizer=True,
             )
+            self.cfg = cfg
             cls = AsyncScheduler if p.async_scheduling else Scheduler
             self.vllm = offline.scheduler(cls, cfg, kv)
             self.ours = offline.scheduler(DFlashRsScheduler, cfg, kv)
@@ -174,7 +178,6 @@ class StructuredLockstep:
                 del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
             else:
                 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
-        self.cfg = cfg
         self.k = self.vllm.num_spec_tokens
         self.gates = (GatedExecutor(), GatedExecutor())
         self.vllm.structured_output_manager.executor = self.gates[0]
@@ -216,10 +219,18 @@ class StructuredLockstep:
         for _ in range(2):
             kwargs: dict[str, Any] = {"eos_token_id": EOS}
             if so is not None:
-                params = StructuredOutputsParams(**copy.deepcopy(so))
-                params._backend = p.backend  # what the engine's input processor sets
-                kwargs["structured_outputs"] = params
-            reqs.append(self.offline.request(rid, prompt, max_tokens, self.hasher, **kwargs))
+                kwargs["structured_outputs"] = StructuredOutputsParams(**copy.deepcopy(so))
+            req = self.offline.request(rid, prompt, max_tokens, self.hasher, **kwargs)
+            if rid == self.bad_id:
+                # Past the input processor's validation, which would refuse it.
+                req.sampling_params.structured_outputs._backend = p.backend
+            elif so is not None:
+                # The engine's input processor: picks the backend, may rewrite the constraint
+                # (vLLM 0.32 turns choices into a grammar for xgrammar).
+                req.sampling_params._validate_structured_outputs(
+                    self.cfg.model_config, self.cfg.structured_outputs_config, self.tokenizer
+                )
+            reqs.append(req)
         rv, rd = reqs
         if so is not None:
             self.kinds[rid] = (kind, constraint)
@@ -312,7 +323,10 @@ class StructuredLockstep:
                     self.res.errors[o.request_id] = errors_v[o.request_id][1]
         if self.vllm.get_request_counts() != self.ours.get_request_counts():
             raise _fail(
-                self.p, step, "get_request_counts", self.ours.get_request_counts(),
+                self.p,
+                step,
+                "get_request_counts",
+                self.ours.get_request_counts(),
                 self.vllm.get_request_counts(),
             )
         sv = _stats(ov)
@@ -501,8 +515,11 @@ class StructuredLockstep:
                     b = {k: list(v) for k, v in sd.scheduled_spec_decode_tokens.items()}
                     if a != b or sv.num_invalid_spec_tokens != sd.num_invalid_spec_tokens:
                         raise _fail(
-                            p, step, "update_draft_token_ids_in_output",
-                            (b, sd.num_invalid_spec_tokens), (a, sv.num_invalid_spec_tokens),
+                            p,
+                            step,
+                            "update_draft_token_ids_in_output",
+                            (b, sd.num_invalid_spec_tokens),
+                            (a, sv.num_invalid_spec_tokens),
                         )
                 gv = self._bitmasks(step, sv, sd)
                 queue.appendleft((sv, sd, self._runner_output(sv, gv)))

@@ -2,9 +2,10 @@
 and ``DFlashRsScheduler``, each with its own ``StructuredOutputManager``, step by step on seeded
 traces of JSON-schema, regex and choice requests among plain ones (``structured_trace``):
 grammars that compile over several steps (requests wait for them), one that fails to compile
-(the request ends with vLLM's error), preemption, aborts, EAGLE and DFlash drafts walked
-through the grammar (some invalid, cut by ``validate_tokens``), sync and async engine loops
-(the async one defers sampling while ``pending_structured_output_tokens``).
+(the request ends with vLLM's error; vLLM 0.32's guidance backend serves it instead),
+preemption, aborts, EAGLE and DFlash drafts walked through the grammar (some invalid, cut by
+``validate_tokens``), sync and async engine loops (the async one defers sampling while
+``pending_structured_output_tokens``).
 
 Compared after every call: SchedulerOutputs and their structured-output flags, the
 ``GrammarOutput`` of each step (ids, bitmask rows per request, acceptable drafts), the engine
@@ -67,19 +68,31 @@ def test_structured_parity(
     # Premises: the trace exercised what it is meant to.
     assert res.held_steps > 0, "no request waited for its grammar"
     assert res.bitmasks > 0, "no step built a bitmask"
-    assert list(res.errors) == [trace.bad_id], res.errors
-    assert "Invalid structured outputs" in res.errors[trace.bad_id] or not _has_error_field()
+    failed = [rid for rid, out in res.outputs.items() if out[3] == "error"]
+    if backend == "guidance" and _series() == "0.32":
+        # vLLM 0.32's guidance backend compiles a broken grammar into a matcher in an error
+        # state (it logs a warning) instead of failing: the request is served.
+        assert failed == [], failed
+    else:
+        assert failed == [trace.bad_id], "the bad grammar (only) ends its request with an error"
+    if _series() != "0.32":  # EngineCoreOutput.error is new in vLLM 0.33
+        assert list(res.errors) == [trace.bad_id], res.errors
+        assert res.errors[trace.bad_id].startswith("Invalid structured outputs: ")
     if method != "none":
         assert res.invalid_drafts > 0, "no invalid draft was cut"
     if num_blocks < 20:
         assert res.preemptions > 0, "the small pool preempted nobody"
-    stopped = [(k, c, t) for k, c, t, fin in res.outputs.values() if fin == "stop"]
+    stopped = [
+        (k, c, t)
+        for rid, (k, c, t, fin) in res.outputs.items()
+        if fin == "stop" and rid != trace.bad_id
+    ]
     assert stopped, "no structured request stopped"
     for kind, constraint, tokens in stopped:
         assert satisfies(trace.tokenizer, kind, constraint, tokens), (kind, tokens)
 
 
-def _has_error_field() -> bool:
+def _series() -> str:
     from dflash_rs.vllm._compat import installed
 
-    return installed().output_has_error
+    return installed().name
