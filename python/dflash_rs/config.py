@@ -27,6 +27,7 @@ _SCHEDULER_INT_FIELDS = (
     "draft_slots_per_request",
     "hash_lookahead_tokens",
     "max_loras",
+    "local_prefill_interval",
 )
 
 
@@ -102,6 +103,13 @@ class SchedulerConfig:
     ``max_loras`` caps the LoRA adapters (``Request.lora_id``) among one step's requests, as
     vLLM's ``max_loras`` does: a waiting request whose adapter would be one too many is passed
     over and keeps its place in the queue. 0 (the default) sets no limit.
+
+    ``local_prefill_interval=N`` is vLLM 0.33's local prefill cadence (its
+    ``prefill_schedule_interval`` without data-parallel coordination): while a running request
+    decodes, prefills (chunks of running prompts, admissions with more than one token left) wait
+    until N executed steps have passed since the last step that carried one, unless the last
+    release left admissible requests waiting. ``Scheduler.schedule(throttle_prefills=True)`` (vLLM's
+    DP throttle) holds them back the same way for one step. 1 (the default) holds nothing back.
     """
 
     num_blocks: int
@@ -128,6 +136,7 @@ class SchedulerConfig:
     pool_must_hold_max_model_len: bool = True
     refuse_idle_steps: bool = True
     max_loras: int = 0
+    local_prefill_interval: int = 1
 
     def __post_init__(self) -> None:
         # One validator, the native one, for these and for any duck-typed config a Scheduler

@@ -101,6 +101,11 @@ class TraceParams:
     #: Chance that a request's prompt is given as embeddings (no token ids); those of the
     #: shared-prefix requests start with the prefix's embeddings.
     prompt_embeds_prob: float = 0.0
+    #: ``schedule(throttle_prefills=...)`` as vLLM's DP engine core passes it: True on the
+    #: steps whose counter is not a multiple of ``throttle_every`` (0: never), or at random
+    #: with ``throttle_prob`` (own generator, so traces without it are unchanged).
+    throttle_every: int = 0
+    throttle_prob: float = 0.0
     #: Known dflash-rs divergences (see KNOWN_DIVERGENCES) to neutralise on the vLLM side.
     emulate: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
@@ -158,6 +163,10 @@ class TraceResult:
     #: Admissions of prompt-embedding requests, and of those with a prefix-cache hit.
     prompt_embeds_admissions: int = 0
     prompt_embeds_hits: int = 0
+    #: Steps scheduled with throttle_prefills; a digest of every step's scheduled tokens (two
+    #: traces of one seed differ iff some step did).
+    throttled_steps: int = 0
+    schedule_digest: str = ""
 
 
 def _fail(p: TraceParams, step: int, what: str, ours: Any, vllm: Any) -> Divergence:
@@ -305,6 +314,8 @@ class Lockstep:
         self.order_rng = np.random.default_rng(p.seed + 10_000)  # keeps self.rng's draws
         self.event_rng = np.random.default_rng(p.seed + 20_000)  # resets and pauses
         self.feature_rng = np.random.default_rng(p.seed + 30_000)  # LoRA, prompt logprobs
+        self.throttle_rng = np.random.default_rng(p.seed + 40_000)  # throttle_prefills
+        self.num_schedules = 0
         #: Prompt-logprob requests whose prompt logprobs the fabricated runner returned.
         self.prompt_logprobs_sent: set[str] = set()
         self.prefix = self.rng.integers(FIRST_TOKEN, VOCAB, p.prefix_len).tolist()
@@ -497,8 +508,7 @@ class Lockstep:
                     break
                 continue
             self._account_pause()
-            sv = self.vllm.schedule()
-            sd = self.ours.schedule()
+            sv, sd = self._schedule_both()
             compare_outputs(p, step, sv, sd)
             self._account(sv)
             mro = self._runner_output(sv)
@@ -516,6 +526,22 @@ class Lockstep:
             self.ours.core.check_invariants()
             self._compare_state(step, "after update")
         return res
+
+    def _schedule_both(self) -> tuple[Any, Any]:
+        """``schedule(throttle_prefills)`` on both, the flag drawn as the engine would pass
+        it."""
+        p = self.p
+        self.num_schedules += 1
+        throttle = bool(p.throttle_every) and self.num_schedules % p.throttle_every != 0
+        if p.throttle_prob:
+            throttle = bool(self.throttle_rng.random() < p.throttle_prob)
+        sv = self.vllm.schedule(throttle)
+        sd = self.ours.schedule(throttle)
+        self.res.throttled_steps += throttle
+        step = repr(sorted(sv.num_scheduled_tokens.items()))
+        digest = hashlib.sha1((self.res.schedule_digest + step).encode()).hexdigest()
+        self.res.schedule_digest = digest
+        return sv, sd
 
     def _arrivals_and_aborts(self, step: int) -> None:
         """Maybe a new request, maybe an abort of a live one (on both schedulers)."""
@@ -643,8 +669,7 @@ class Lockstep:
             self._compare_state(step, "before schedule")
             if self.vllm.has_requests():
                 self._account_pause()
-                sv = self.vllm.schedule()
-                sd = self.ours.schedule()
+                sv, sd = self._schedule_both()
                 compare_outputs(p, step, sv, sd)
                 self._account(sv)
                 queue.append((sv, sd, self._sampling_plan(sv)))

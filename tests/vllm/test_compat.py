@@ -19,6 +19,7 @@ import vllm
 from vllm.config import VllmConfig
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
 
 from dflash_rs.errors import UnsupportedFeatureError
@@ -60,3 +61,11 @@ def test_scheduler_output_fields_new_in_0_33_have_neutral_defaults() -> None:
     if SERIES.name == "0.33":
         assert fields["skip_drafts"].default is False
         assert fields["encoder_input_updates"].default_factory() == {}
+
+
+def test_local_prefill_cadence() -> None:
+    """Only a series whose Scheduler keeps a local prefill interval applies
+    ``prefill_schedule_interval`` itself; both take ``schedule(throttle_prefills)``."""
+    init = inspect.getsource(Scheduler.__init__)
+    assert ("self.local_prefill_interval" in init) == SERIES.has_local_prefill_cadence
+    assert "throttle_prefills" in inspect.signature(Scheduler.schedule).parameters

@@ -137,7 +137,7 @@ def _norm(outputs: Optional[dict[int, Any]]) -> Any:
     }
 
 
-def _configs(offline: Any, method: str, num_blocks: int) -> tuple[Any, Any]:
+def _configs(offline: Any, method: str, num_blocks: int, **extra: Any) -> tuple[Any, Any]:
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if use_v1_runner(False) else "1"
     try:
@@ -150,7 +150,8 @@ def _configs(offline: Any, method: str, num_blocks: int) -> tuple[Any, Any]:
             max_num_seqs=8,
             max_num_batched_tokens=128,
             async_scheduling=True,
-            scheduler={"scheduler_cls": OURS},
+            scheduler={"scheduler_cls": OURS, **extra.pop("scheduler", {})},
+            **extra,
         )
     finally:
         if saved is None:
@@ -240,6 +241,59 @@ def test_engine_async_loop_matches_async_scheduler(offline: Any, method: str) ->
     assert sum(len(so.preempted_req_ids) for so in vex.seen) > 0
     reported = set().union(*(so.finished_req_ids for so in vex.seen))
     assert len(aborted) == 4 and aborted <= reported - finished
+
+
+@pytest.mark.parametrize("source", ["local", "dp-throttle"])
+def test_engine_prefill_cadence_matches_async_scheduler(offline: Any, source: str) -> None:
+    """``prefill_schedule_interval=3`` under the engine loop: vLLM 0.33's local cadence
+    (``data_parallel_size`` 1; a no-op on 0.32), or the DP engine core's throttle
+    (``DPEngineCoreProc._should_throttle_prefills`` on a step counter the loop advances, as its
+    busy loop does). Same schedules and outputs as vLLM's AsyncScheduler, step by step."""
+    from vllm.v1.engine.core import DPEngineCoreProc
+
+    parallel = {"data_parallel_size": 2} if source == "dp-throttle" else {}
+    cfg, kv = _configs(
+        offline,
+        "dflash",
+        48,
+        scheduler={"prefill_schedule_interval": 3},
+        parallel=parallel,
+    )
+    hasher = offline.block_hasher(cfg)
+    vex, dex = FakeExecutor(), FakeExecutor()
+    ev = _engine(cfg, offline.scheduler(AsyncScheduler, cfg, kv), vex)
+    ed = _engine(cfg, offline.scheduler(DFlashRsScheduler, cfg, kv), dex)
+    throttled = 0
+    if source == "dp-throttle":
+        for engine in (ev, ed):
+            engine.prefill_schedule_interval = 3
+            engine.step_counter = 0
+            engine._should_throttle_prefills = DPEngineCoreProc._should_throttle_prefills.__get__(
+                engine
+            )
+    p = TraceParams(seed=0, method="dflash", async_scheduling=True)
+    arrivals = {s: f"r{s}" for s in range(0, 60, 3)}
+    finished: set[str] = set()
+    for step in range(600):
+        if step in arrivals:
+            _arrive(offline, arrivals[step], step, ((ev, hasher), (ed, None)))
+        if not ev.scheduler.has_requests() and not ev.batch_queue:
+            assert not ed.scheduler.has_requests() and not ed.batch_queue
+            if step > max(arrivals):
+                break
+            continue
+        throttled += source == "dp-throttle" and ev._should_throttle_prefills()
+        a, _ = _step_lockstep(p, step, ev, ed, vex, dex)
+        for engine in (ev, ed):
+            if source == "dp-throttle":
+                engine.step_counter += 1
+        for eco in (a or {}).values():
+            finished |= {o.request_id for o in eco.outputs if o.finish_reason is not None}
+    assert not ed.scheduler.has_requests() and len(finished) == len(arrivals)
+    assert ed.scheduler.core_config.local_prefill_interval == (
+        3 if source == "local" and installed().has_local_prefill_cadence else 1
+    )
+    assert source == "local" or throttled > 10
 
 
 class PausingExecutor(FakeExecutor):

@@ -66,7 +66,6 @@ def _full(block_size: int = 16) -> Any:
 REAL_CONFIGS = [
     ({"scheduler": {"watermark": 0.1}}, "watermark"),
     ({"scheduler": {"scheduler_reserve_full_isl": False}}, "full-sequence"),
-    ({"scheduler": {"prefill_schedule_interval": 2}}, "prefill_schedule_interval"),
     (
         {
             "scheduler": {

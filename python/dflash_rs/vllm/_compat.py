@@ -18,6 +18,9 @@ both wheels):
   0.32 and lets the requests after it be tried in 0.33;
 - 0.33 caches the full blocks of a request that stops with speculative decoding or output
   placeholders before freeing them; 0.32 does not.
+- both hold prefills back on the steps the data-parallel engine core throttles
+  (``schedule(throttle_prefills=True)``); only 0.33 also applies ``prefill_schedule_interval``
+  locally, in a scheduler whose ``data_parallel_size`` is 1 (0.32's scheduler ignores it).
 """
 
 from __future__ import annotations
@@ -49,10 +52,22 @@ class VllmSeries:
     #: A config for the V2 model runner can be built without a GPU (0.32 refuses it unless
     #: Triton has an active GPU driver): what the scheduler-level tests can cover here.
     v2_runner_without_gpu: bool
+    #: The scheduler applies ``prefill_schedule_interval`` itself when not DP-coordinated.
+    has_local_prefill_cadence: bool
 
     def num_hash_lookahead_tokens(self, vllm_config: Any) -> int:
         """vLLM's lookahead hash length (0 where the series has none)."""
         return vllm_config.num_hash_lookahead_tokens if self.has_hash_lookahead_tokens else 0
+
+    def local_prefill_interval(self, vllm_config: Any) -> int:
+        """vLLM's ``Scheduler.local_prefill_interval``: ``prefill_schedule_interval`` where the
+        series has a local cadence and ``data_parallel_size`` is 1 (a DP engine core drives the
+        cadence itself, through ``throttle_prefills``), else 1."""
+        if not self.has_local_prefill_cadence:
+            return 1
+        if vllm_config.parallel_config.data_parallel_size != 1:
+            return 1
+        return vllm_config.scheduler_config.prefill_schedule_interval
 
     def request_block_hasher(self, block_size: int, hash_fn: Any, vllm_config: Any) -> Any:
         """The request block hasher EngineCore builds (``get_request_block_hasher``)."""
@@ -66,9 +81,17 @@ class VllmSeries:
 
 _SERIES = {
     "0.32": dict(
-        output_has_error=False, has_hash_lookahead_tokens=False, v2_runner_without_gpu=False
+        output_has_error=False,
+        has_hash_lookahead_tokens=False,
+        v2_runner_without_gpu=False,
+        has_local_prefill_cadence=False,
     ),
-    "0.33": dict(output_has_error=True, has_hash_lookahead_tokens=True, v2_runner_without_gpu=True),
+    "0.33": dict(
+        output_has_error=True,
+        has_hash_lookahead_tokens=True,
+        v2_runner_without_gpu=True,
+        has_local_prefill_cadence=True,
+    ),
 }
 
 

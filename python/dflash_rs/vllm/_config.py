@@ -208,11 +208,6 @@ def _check_engine(vllm_config: Any) -> None:
             "keep scheduler_reserve_full_isl=True",
         ),
         (
-            sched.prefill_schedule_interval > 1,
-            "prefill cadence (prefill_schedule_interval > 1)",
-            "use prefill_schedule_interval=1",
-        ),
-        (
             vllm_config.observability_config.kv_cache_metrics,
             "KV-cache residency metrics",
             "drop --kv-cache-metrics",
@@ -296,6 +291,9 @@ def translate_config(
         ),
         # vLLM's limit on the adapters of one step's requests (none without LoRA).
         max_loras=vllm_config.lora_config.max_loras if vllm_config.lora_config else 0,
+        # vLLM 0.33's local prefill cadence (1 on 0.32, and under DP coordination, where the
+        # engine core throttles through schedule(throttle_prefills=True) instead).
+        local_prefill_interval=installed().local_prefill_interval(vllm_config),
     )
     return Translated(
         config=config,

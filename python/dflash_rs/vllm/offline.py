@@ -148,16 +148,19 @@ class OfflineVllm:
         async_scheduling: bool = False,
         scheduler: Optional[dict[str, Any]] = None,
         speculative: Optional[dict[str, Any]] = None,
+        parallel: Optional[dict[str, Any]] = None,
         vllm: Optional[dict[str, Any]] = None,
         kv_cache_groups: Optional[Sequence[Any]] = None,
         tokenizer: bool = False,
     ) -> tuple[Any, Any]:
         """``(VllmConfig, KVCacheConfig)`` for a tiny Llama with one full-attention group.
 
-        ``scheduler``/``speculative``/``vllm`` hold extra keyword arguments of vLLM's
-        ``SchedulerConfig``/``SpeculativeConfig``/``VllmConfig``; ``kv_cache_groups`` replaces
-        the single full-attention group; ``tokenizer`` loads ``write_tokenizer``'s tokenizer
-        (written into the target's directory on first use), which structured outputs need.
+        ``scheduler``/``speculative``/``parallel``/``vllm`` hold extra keyword arguments of
+        vLLM's ``SchedulerConfig``/``SpeculativeConfig``/``ParallelConfig``/``VllmConfig`` (e.g.
+        ``scheduler={"prefill_schedule_interval": 4}``, ``parallel={"data_parallel_size": 2}``);
+        ``kv_cache_groups`` replaces the single full-attention group; ``tokenizer`` loads
+        ``write_tokenizer``'s tokenizer (written into the target's directory on first use),
+        which structured outputs need.
         """
         vc = self._vc
         if tokenizer and not os.path.exists(os.path.join(self.dirs["target"], "tokenizer.json")):
@@ -169,7 +172,7 @@ class OfflineVllm:
             skip_tokenizer_init=not tokenizer,
             max_model_len=max_model_len,
         )
-        parallel = vc.ParallelConfig()
+        parallel = vc.ParallelConfig(**(parallel or {}))
         spec = None
         if method != "none":
             spec = vc.SpeculativeConfig(

@@ -209,14 +209,15 @@ class DFlashRsScheduler(SchedulerInterface):
     # ------------------------------------------------------------------ the step
 
     def schedule(self, throttle_prefills: bool = False) -> Any:
-        # throttle_prefills is only ever True with prefill_schedule_interval > 1 (refused).
+        # throttle_prefills: vLLM's DP engine core holds prefills back between cadence-aligned
+        # steps; the core also applies the local cadence (core_config.local_prefill_interval).
         # The core follows the pause state: PAUSED_NEW admits nobody, PAUSED_ALL schedules
         # nothing (the step still reports finished and preempted ids).
         now = time.monotonic()
         structured = self._structured
         if structured.held:
             structured.release_ready()
-        core_out = self._core.schedule()
+        core_out = self._core.schedule(throttle_prefills)
         if structured.held:
             structured.note_passed_over()
         self._num_finished_unreported = 0  # the step reports every id finished so far

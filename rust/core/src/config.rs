@@ -82,6 +82,11 @@ pub struct SchedulerConfig {
     /// Most LoRA adapters among one step's requests (vLLM's `max_loras`): a waiting request
     /// with another adapter is passed over while that many are scheduled. 0: no limit.
     pub max_loras: usize,
+    /// vLLM 0.33's local prefill cadence (its `prefill_schedule_interval` without DP
+    /// coordination): prefills wait until this many executed steps have passed since the last
+    /// step that carried one, so decodes run alone in between (see `scheduler/cadence.rs`).
+    /// 1 (the default) holds nothing back.
+    pub local_prefill_interval: usize,
 }
 
 impl SchedulerConfig {
@@ -119,6 +124,7 @@ impl SchedulerConfig {
             pool_must_hold_max_model_len: true,
             refuse_idle_steps: true,
             max_loras: 0,
+            local_prefill_interval: 1,
         }
     }
 
@@ -185,6 +191,12 @@ impl SchedulerConfig {
         }
         if self.max_num_batched_tokens == 0 {
             return Err(invalid!("max_num_batched_tokens must be positive"));
+        }
+        if !(1..=i32::MAX as usize).contains(&self.local_prefill_interval) {
+            return Err(invalid!(
+                "local_prefill_interval must be in [1, 2**31 - 1] (1: no prefill cadence), got {}",
+                self.local_prefill_interval
+            ));
         }
         for (field, value) in [
             ("num_blocks", self.num_blocks),

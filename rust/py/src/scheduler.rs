@@ -16,7 +16,9 @@ use pyo3::types::{PyDict, PyFrozenSet, PyList, PyString, PyTuple};
 use pyo3::PyTraverseError;
 use std::borrow::Cow;
 
-use crate::convert::{flat_exact_token_lists, strict_bool, token_ids, OutputArg, RequestId, Text};
+use crate::convert::{
+    flat_exact_token_lists, strict_bool, token_ids, Flag, OutputArg, RequestId, Text,
+};
 use crate::draft_dict::{self, LiveDrafts};
 use crate::errors::{invalid, to_py, unless_fatal, wrong_type, IntoPyResult};
 use crate::guarded::Guarded;
@@ -571,14 +573,29 @@ impl PyScheduler {
         })
     }
 
-    /// Plans one step.
-    fn schedule(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
+    /// Plans one step. With `throttle_prefills` (vLLM's data-parallel prefill throttle) the
+    /// step holds prefills back: running requests keep decoding, prefill chunks and admissions
+    /// that need a prefill wait (unless nothing decodes, or the last release left the queue
+    /// backed up). `config.local_prefill_interval` holds them back the same way.
+    #[pyo3(signature = (throttle_prefills=Flag(false)), text_signature = "(self, throttle_prefills=False)")]
+    fn schedule(slf: &Bound<'_, Self>, throttle_prefills: Flag) -> PyResult<PySchedulerOutput> {
         let py = slf.py();
+        let Flag(throttle) = throttle_prefills;
         slf.get().state.with(py, |st| {
             let (inner, step) = (&mut st.inner, &mut st.step);
-            py.detach(|| inner.schedule(step)).py(py)?;
+            py.detach(|| inner.schedule_throttled(step, throttle))
+                .py(py)?;
             st.build_output(slf)
         })
+    }
+
+    /// vLLM's `prefill_capacity_bound`: the last step that did not hold prefills back left
+    /// requests waiting that it could have admitted, so no step holds them back until one
+    /// drains the queue.
+    #[getter]
+    fn prefill_capacity_bound(&self, py: Python<'_>) -> PyResult<bool> {
+        self.state
+            .with(py, |st| Ok(st.inner.prefill_capacity_bound()))
     }
 
     /// Applies the model's output for `output`'s step; returns one `RequestOutput` per request

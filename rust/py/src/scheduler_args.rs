@@ -169,6 +169,8 @@ pub fn config_from_py(config: &Bound<'_, PyAny>) -> PyResult<SchedulerConfig> {
     )?;
     c.async_scheduling = opt_flag(config, "async_scheduling", c.async_scheduling)?;
     c.max_loras = opt_count(config, "max_loras", c.max_loras)?;
+    c.local_prefill_interval =
+        opt_count(config, "local_prefill_interval", c.local_prefill_interval)?;
     c.lookahead_policy =
         LookaheadPolicy::from_name(&name_attr(config, "lookahead_policy")?).py(py)?;
     let speculative = get_attr(config, "config", "speculative")?;

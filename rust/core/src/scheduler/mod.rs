@@ -12,6 +12,7 @@
 
 mod abandon;
 mod budget;
+mod cadence;
 mod hold;
 mod invariants;
 mod pause;
@@ -23,6 +24,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use budget::StepBudget;
+use cadence::{PrefillCadence, StepPrefills};
 
 use crate::batch_rows::BatchRows;
 use crate::block_table::BlockTable;
@@ -188,6 +190,8 @@ pub struct Scheduler {
     num_deferred: usize,
     /// Held requests (`set_admission_hold`) the last `schedule()` passed over, in order.
     held_passed_over: Vec<u32>,
+    /// When steps hold prefills back (`cadence.rs`).
+    cadence: PrefillCadence,
 }
 
 /// Source of scheduler identities, so an output is never applied to another scheduler.
@@ -217,6 +221,7 @@ impl Scheduler {
             num_drafts_by_count: vec![0; config.num_speculative_tokens + 1],
             ..Default::default()
         };
+        let cadence = PrefillCadence::new(config.local_prefill_interval);
         Ok(Self {
             waiting: WaitingQueue::new(config.policy),
             config,
@@ -239,6 +244,7 @@ impl Scheduler {
             ended_unreported: Vec::new(),
             num_deferred: 0,
             held_passed_over: Vec::new(),
+            cadence,
         })
     }
 
@@ -485,6 +491,20 @@ impl Scheduler {
     /// batch queue asks for one while a step runs), and so is a step that schedules something
     /// beyond the limit (vLLM's scheduler plans a step while others run, as with pipelining).
     pub fn schedule(&mut self, out: &mut StepOutput) -> CoreResult<()> {
+        self.schedule_throttled(out, false)
+    }
+
+    /// [`Self::schedule`], holding prefills back if `throttle_prefills` (vLLM's
+    /// `schedule(throttle_prefills=True)`, set by its data-parallel engine core between
+    /// cadence-aligned steps): running requests keep decoding, prefill chunks and admissions
+    /// that need a prefill wait, unless nothing is decoding or the last release left the queue
+    /// backed up (`cadence.rs`). The local cadence
+    /// ([`SchedulerConfig::local_prefill_interval`]) holds prefills back the same way.
+    pub fn schedule_throttled(
+        &mut self,
+        out: &mut StepOutput,
+        throttle_prefills: bool,
+    ) -> CoreResult<()> {
         crate::fault::hit("schedule.begin")?;
         out.clear();
         self.held_passed_over.clear();
@@ -501,12 +521,31 @@ impl Scheduler {
         }
         let mut scheduled_order: Vec<u32> = Vec::with_capacity(self.running.len());
         let mut preempted_any = false;
+        let mut prefills = StepPrefills {
+            hold: self
+                .cadence
+                .holds_back(throttle_prefills, || self.any_running_decode()),
+            ..Default::default()
+        };
 
-        let prefill_scheduled =
-            self.schedule_running(&mut budget, &mut scheduled_order, &mut preempted_any, out)?;
+        prefills.scheduled = self.schedule_running(
+            &mut budget,
+            &mut scheduled_order,
+            &mut preempted_any,
+            prefills.hold,
+            out,
+        )?;
         crate::fault::hit("schedule.after_running")?;
-        if !preempted_any && self.pause == PauseState::Unpaused {
-            self.schedule_waiting(&mut budget, &mut scheduled_order, prefill_scheduled)?;
+        if !preempted_any && self.pause != PauseState::PausedAll {
+            if self.pause == PauseState::Unpaused {
+                prefills.admitted =
+                    self.schedule_waiting(&mut budget, &mut scheduled_order, prefills)?;
+            }
+            if !prefills.hold {
+                // vLLM records whether this release left admissible requests waiting (under
+                // PAUSED_NEW too, where it admits nobody).
+                prefills.capacity_bound = Some(self.waiting.len() > self.num_deferred);
+            }
         }
         if let Some(lookups) = lookups_before {
             let idle = scheduled_order.is_empty()
@@ -519,10 +558,26 @@ impl Scheduler {
                 return Err(self.idle_step_error());
             }
         }
+        self.cadence.end_step(prefills, !scheduled_order.is_empty());
         self.finish_step(out, scheduled_order)?;
         out.preempted_req_ids
             .append(&mut self.preempted_between_steps);
         Ok(())
+    }
+
+    /// Whether some running request is past its prefill (vLLM's `any(not r.is_prefill_chunk
+    /// for r in running)`): only then may a step hold prefills back.
+    fn any_running_decode(&self) -> bool {
+        self.running
+            .iter()
+            .any(|&slot| self.store.get(slot).is_ok_and(|r| !r.is_prefill_chunk))
+    }
+
+    /// vLLM's `prefill_capacity_bound`: the last step that did not hold prefills back left
+    /// requests waiting that it could have admitted, so no step holds back until one drains
+    /// the queue (`cadence.rs`).
+    pub fn prefill_capacity_bound(&self) -> bool {
+        self.cadence.capacity_bound()
     }
 
     /// Steps awaiting output from which an idle `schedule()` is refused: vLLM's engine keeps
@@ -568,6 +623,7 @@ impl Scheduler {
         budget: &mut StepBudget,
         scheduled_order: &mut Vec<u32>,
         preempted_any: &mut bool,
+        hold_prefills: bool,
         out: &mut StepOutput,
     ) -> CoreResult<bool> {
         let mut prefill_scheduled = false;
@@ -581,7 +637,8 @@ impl Scheduler {
             self.rows.prefetch_append(index + crate::prefetch::DISTANCE);
             let slot = self.running[index];
             let r = self.store.get(slot)?;
-            if r.in_flight_reaches_max_tokens() {
+            if r.in_flight_reaches_max_tokens() || (hold_prefills && r.is_prefill_chunk) {
+                // Held back: its next prefill chunk waits for a step that carries prefills.
                 index += 1;
                 continue;
             }
@@ -732,16 +789,16 @@ impl Scheduler {
     }
 
     /// Phase B: waiting requests, strict FCFS (or priority) admission. A preempted request
-    /// whose stale output is still in flight is passed over and keeps its place.
+    /// whose stale output is still in flight is passed over and keeps its place. Returns
+    /// whether a request was admitted with more than one token left to compute (a prefill).
     fn schedule_waiting(
         &mut self,
         budget: &mut StepBudget,
         scheduled_order: &mut Vec<u32>,
-        prefill_scheduled: bool,
-    ) -> CoreResult<()> {
+        prefills: StepPrefills,
+    ) -> CoreResult<bool> {
         let mut passed_over = Vec::new();
-        let result =
-            self.admit_waiting(budget, scheduled_order, prefill_scheduled, &mut passed_over);
+        let result = self.admit_waiting(budget, scheduled_order, prefills, &mut passed_over);
         for &slot in passed_over.iter().rev() {
             let key = priority_key(self.store.get(slot)?);
             self.waiting.push_front(slot, key);
@@ -753,9 +810,11 @@ impl Scheduler {
         &mut self,
         budget: &mut StepBudget,
         scheduled_order: &mut Vec<u32>,
-        prefill_scheduled: bool,
+        prefills: StepPrefills,
         passed_over: &mut Vec<u32>,
-    ) -> CoreResult<()> {
+    ) -> CoreResult<bool> {
+        let prefill_scheduled = prefills.scheduled;
+        let mut prefill_admitted = false;
         let threshold = self.config.long_prefill_token_threshold;
         let k = self.config.num_speculative_tokens;
         let num_running_scheduled = scheduled_order.len();
@@ -817,6 +876,11 @@ impl Scheduler {
                 self.scratch.hits.clear();
                 0
             };
+            // vLLM's rule for a prefill: more than one token left after the hit.
+            let needs_prefill = hit_tokens + 1 < r.num_tokens();
+            if prefills.hold && needs_prefill {
+                break; // held back until a step that carries prefills (`cadence.rs`)
+            }
             let mut num_new = r.num_tokens() - hit_tokens;
             // vLLM 0.33 (opt-in here): an admission with one token left to compute (a resume, a
             // full prefix hit) joins a decode batch as a uniform 1 + K decode with K placeholder
@@ -926,8 +990,9 @@ impl Scheduler {
             self.scratch.num_spec[s] = r.spec_token_ids.len() as u32;
             scheduled_order.push(slot);
             budget.take(num_new);
+            prefill_admitted |= needs_prefill;
         }
-        Ok(())
+        Ok(prefill_admitted)
     }
 
     /// Takes the queue head `slot` out for this step (it goes back to the front after it),
