@@ -93,7 +93,8 @@ class SchedulerConfig:
     machine's memory. The checks are the native module's: the constructor runs them, and a
     ``Scheduler`` runs the same ones on any config object it is given.
     ``pool_must_hold_max_model_len=False`` accepts the small pool, as vLLM's ``Scheduler`` class
-    does (the vLLM drop-in sets it): a request that outgrows it alone is then ended with finish reason ``"error"``, reported by ``update_from_output``.
+    does (the vLLM drop-in sets it): a request that outgrows it alone is then ended with finish
+    reason ``"error"``, reported by ``update_from_output``.
 
     ``schedule()`` raises ``SchedulerStateError`` when it would return an idle step while one
     step (sync) or two (async) await their output: nothing can run until an output is applied
