@@ -202,7 +202,9 @@ def _context_rows(
     """Row of each context lane: the last r < num_reqs with query_start_loc[r] <= lane."""
     STRIDE: tl.constexpr = REQ_SPAN // COARSE
     HALF: tl.constexpr = WINDOW // 2
-    searchable = in_batch & (num_reqs > 0)
+    # A [TILE] int1 tensor: a scalar comparison in the mix gives a mask Triton 3.9's
+    # interpreter refuses ("mask has unsupported dtype").
+    searchable = in_batch & (tl.full([TILE], num_reqs, tl.int32) > 0)
     last_lane = tl.minimum(first_lane + TILE, num_ctx) - 1
     # Every load the lookup may need is issued up front, next to the position load: the coarse
     # samples (a lane or none per thread) and three scalars of the stage-1 window, which is
