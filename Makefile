@@ -37,7 +37,7 @@ demo: develop ## Short demo: admit requests, allocate with DFlash lookahead, pri
 	$(PY) -m dflash_rs demo
 
 .PHONY: test
-test: develop lint test-rust test-python wheel-check fuzz-ci test-vllm test-engine ## Run the whole test suite (Rust, lints, Python, wheel, fuzzing, vLLM parity, real engine)
+test: develop lint test-rust test-python wheel-check test-kernels-matrix fuzz-ci test-vllm test-engine ## Run the whole test suite (Rust, lints, Python, wheel, kernels' dependency range, fuzzing, vLLM parity, real engine)
 
 .PHONY: test-rust
 test-rust: ## cargo test of the core and bindings
@@ -81,6 +81,11 @@ wheel: $(WHEEL_STAMP) ## Build the abi3 release wheel into dist/
 .PHONY: wheel-check
 wheel-check: $(WHEEL_STAMP) ## Install the wheel in a clean venv and check it is complete
 	scripts/check_wheel.sh dist/dflash_rs-*-abi3-*.whl
+
+# The kernels extra's tested range: requirements-kernels-<name>.txt, one cached venv each.
+.PHONY: test-kernels-matrix
+test-kernels-matrix: $(WHEEL_STAMP) ## Kernel tests on the oldest and newest torch/triton/numpy the kernels extra allows (cached venvs, TRITON_INTERPRET=1)
+	scripts/kernels_matrix.sh --wheel $$(ls dist/dflash_rs-*-abi3-*.whl)
 
 .PHONY: fuzz-ci
 fuzz-ci: ## Replay the fuzz corpus and regressions, then fuzz the core for 30 s per target

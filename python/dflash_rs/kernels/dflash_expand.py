@@ -202,7 +202,9 @@ def _context_rows(
     """Row of each context lane: the last r < num_reqs with query_start_loc[r] <= lane."""
     STRIDE: tl.constexpr = REQ_SPAN // COARSE
     HALF: tl.constexpr = WINDOW // 2
-    searchable = in_batch & (num_reqs > 0)
+    # A [TILE] int1 tensor: a scalar comparison in the mix gives a mask Triton 3.9's
+    # interpreter refuses ("mask has unsupported dtype").
+    searchable = in_batch & (tl.full([TILE], num_reqs, tl.int32) > 0)
     last_lane = tl.minimum(first_lane + TILE, num_ctx) - 1
     # Every load the lookup may need is issued up front, next to the position load: the coarse
     # samples (a lane or none per thread) and three scalars of the stage-1 window, which is
@@ -581,6 +583,21 @@ def _knob_state() -> tuple:
     return (triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
 
 
+# Triton settings that change how a kernel compiles but not the JIT's cache key as seen here
+# (Triton 3.9: the FP sanitizer's homomorphic casts, a hook on the compiler's stages). While one
+# is set every launch goes through the JIT, and kernels it compiles are not kept.
+_COMPILE_SETTINGS = (
+    ("compilation", "fpsan_homomorphic_casts"),
+    ("runtime", "add_stages_inspection_hook"),
+)
+
+
+def _compile_settings_set() -> bool:
+    """Whether one of ``_COMPILE_SETTINGS`` that this Triton version has is set."""
+    knobs = triton.knobs
+    return any(getattr(getattr(knobs, group), name, None) for group, name in _COMPILE_SETTINGS)
+
+
 _HookChain = getattr(getattr(triton, "knobs", None), "HookChain", None)
 
 
@@ -644,8 +661,8 @@ class ExpandLaunch:
     launch of each compiled variant goes through Triton's JIT, which compiles or finds it; later
     ones call its launcher directly, with raw pointers (the checks put every tensor on this
     CUDA device). The JIT path stays in use under the interpreter, with launch hooks installed
-    (profilers), after a change of Triton's debug or instrumentation settings, and if the
-    launcher refuses the argument convention.
+    (profilers), after a change of Triton's debug or instrumentation settings, while a setting
+    of ``_COMPILE_SETTINGS`` is set, and if the launcher refuses the argument convention.
     """
 
     __slots__ = (
@@ -723,7 +740,11 @@ class ExpandLaunch:
             return
         with torch.cuda.device(self.device_index):
             compiled = launch()
-        if _direct_launch_ok and shape.kernel_key not in self._kernels:
+        if (
+            _direct_launch_ok
+            and shape.kernel_key not in self._kernels
+            and not _compile_settings_set()
+        ):
             function = getattr(compiled, "function", None)
             packed_metadata = getattr(compiled, "packed_metadata", None)
             if function is not None and packed_metadata is not None:
@@ -737,7 +758,12 @@ class ExpandLaunch:
         global _direct_launch_ok
         shape = self.batch_shape(num_reqs, num_ctx)
         compiled = self._kernels.get(shape.kernel_key)
-        if compiled is None or _hooks_installed() or _knob_state() != compiled[3]:
+        if (
+            compiled is None
+            or _hooks_installed()
+            or _compile_settings_set()
+            or _knob_state() != compiled[3]
+        ):
             self.launch_jit(tensors, num_reqs, num_ctx)
             return
         run, function, packed_metadata = compiled[:3]

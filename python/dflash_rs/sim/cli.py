@@ -4,6 +4,7 @@ cache. Exit status: 0 when every check passed, 1 on any violation, 2 on bad argu
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable
@@ -164,13 +165,28 @@ def _prepare_kernel(kernel: str) -> None:
         print("no CUDA device: running the Triton kernel under TRITON_INTERPRET=1", file=sys.stderr)
 
 
+def _optional_modules(args: argparse.Namespace, show_progress: bool) -> list[str]:
+    """The optional modules (the 'sim' extra) this run's options use, imported before it starts."""
+    needed = []
+    if args.plot:
+        needed.append("matplotlib.backends.backend_agg")
+    if show_progress:
+        needed.append("tqdm")
+    return needed
+
+
 def run(args: argparse.Namespace) -> int:
-    try:
+    show_progress = not args.quiet and sys.stdout.isatty()
+    try:  # torch, triton, matplotlib and tqdm are optional extras: all checked before the run
         from dflash_rs.sim.engine import run_simulation
         from dflash_rs.sim.report import summary, write_json, write_plot
-    except ImportError as exc:  # torch, triton, matplotlib or tqdm are optional extras
+
+        for name in _optional_modules(args, show_progress):
+            importlib.import_module(name)
+    except ImportError as exc:
+        missing = (exc.name or str(exc)).partition(".")[0]
         print(
-            f"dflash-rs simulate needs the 'sim' extra ({exc.name} is missing): "
+            f"dflash-rs simulate needs the 'sim' extra ({missing} is missing): "
             "pip install 'dflash-rs[sim]'",
             file=sys.stderr,
         )
@@ -178,7 +194,6 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)  # check_args passed
     _prepare_kernel(config.kernel)
-    show_progress = not args.quiet and sys.stdout.isatty()
     bar, progress = _progress_bar(config.num_requests) if show_progress else (None, None)
     try:
         result = run_simulation(config, progress=progress)
