@@ -62,11 +62,17 @@ def waves() -> list[list[dict[str, Any]]]:
     return out
 
 
-def run_side(models: dict[str, str], root: str, scheduler: str) -> tuple[dict[str, Any], str]:
+def run_side(
+    models: dict[str, str], root: str, scheduler: str, interval: int
+) -> tuple[dict[str, Any], str]:
     engine = {k: v for k, v in BASE_ENGINE.items() if k != "distributed_executor_backend"}
     engine |= {"model": models["qwen3"], "data_parallel_size": 2}
-    out = os.path.join(root, f"dp-{scheduler}.json")
-    log = os.path.join(root, f"dp-{scheduler}.log")
+    if interval > 1:
+        # The DP engine core then throttles prefills on every step the interval skips
+        # (schedule(throttle_prefills=True)).
+        engine["prefill_schedule_interval"] = interval
+    out = os.path.join(root, f"dp-{scheduler}-{interval}.json")
+    log = os.path.join(root, f"dp-{scheduler}-{interval}.log")
     spec = {"engine": engine, "scheduler": scheduler, "waves": waves(), "out": out}
     env = {
         **os.environ,
@@ -96,12 +102,16 @@ def run_side(models: dict[str, str], root: str, scheduler: str) -> tuple[dict[st
         return json.load(f), text
 
 
-@pytest.fixture(scope="module")
-def sides(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, Any], str]]:
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda i: f"prefill-interval-{i}")
+def sides(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[dict[str, Any], str]]:
+    """Both schedulers' runs, with the default prefill interval and with the DP engine core's
+    prefill throttle every other step."""
     root = str(tmp_path_factory.mktemp("dp"))
     models = write_models(root)
     with ThreadPoolExecutor(max_workers=max(1, JOBS)) as pool:
-        futures = {s: pool.submit(run_side, models, root, s) for s in SIDES}
+        futures = {s: pool.submit(run_side, models, root, s, request.param) for s in SIDES}
         return {s: f.result() for s, f in futures.items()}
 
 
