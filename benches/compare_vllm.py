@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Side-by-side: vLLM 0.33's Python scheduler vs dflash-rs's, same workload, same session.
 
-Runs the vLLM anchor harness (`shared/baselines/vllm/bench_vllm_scheduler.py`) in its own
-venv (vLLM's torch/numpy never load into our process) and `benches/scheduler_bench.py` in
-ours, with identical workload arguments, interleaved rep by rep (vLLM rep 0, ours rep 0,
-vLLM rep 1, ...), then prints one table with both medians and the ratios (vLLM / ours).
+Runs vLLM's scheduler anchor harness (`bench_vllm_scheduler.py`, kept outside this repository:
+pass it with --harness or DFLASH_RS_VLLM_HARNESS) in its own venv (vLLM's torch/numpy never load
+into our process) and `benches/scheduler_bench.py` in ours, with identical workload arguments,
+interleaved rep by rep (vLLM rep 0, ours rep 0, vLLM rep 1, ...), then prints one table with
+both medians and the ratios (vLLM / ours).
 
 Also, in the vLLM venv, it times vLLM's admission of a request (Request() with the engine's
 sha256 block hasher + SamplingParams, then Scheduler.add_request) on the same pre-generated
@@ -39,13 +40,11 @@ from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-DEFAULT_HARNESS = os.path.normpath(
-    os.path.join(REPO, "..", "shared", "baselines", "vllm", "bench_vllm_scheduler.py")
-)
+DEFAULT_HARNESS = os.environ.get("DFLASH_RS_VLLM_HARNESS")
 DEFAULT_VLLM_PY = os.path.join(REPO, ".venv-vllm", "bin", "python")
 OUR_BENCH = os.path.join(HERE, "scheduler_bench.py")
 
-# Targets from DESIGN.md section 5 (per step through Python, p50, microseconds).
+# The product's targets (per step through Python, p50, microseconds).
 TARGETS_US = {
     ("decode", 1024): 300.0,
     ("decode", 256): 80.0,
@@ -364,7 +363,12 @@ def main(argv=None):
 
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PY)
     p.add_argument("--our-python", default=sys.executable)
-    p.add_argument("--harness", default=DEFAULT_HARNESS)
+    p.add_argument(
+        "--harness",
+        default=DEFAULT_HARNESS,
+        required=DEFAULT_HARNESS is None,
+        help="vLLM's bench_vllm_scheduler.py (default: $DFLASH_RS_VLLM_HARNESS)",
+    )
     p.add_argument("--n-reqs", default="64,256,1024")
     p.add_argument("--spec", default="dflash")
     p.add_argument("--modes", default="decode,serve")

@@ -2,8 +2,8 @@
 
 Variants, each launched into preallocated buffers:
   empty          a trivial Triton kernel (one program, no work): the launch floor
-  vllm-layout    vLLM's per-(request x token tile) layout, re-implemented from the semantics in
-                 shared/reference/vllm_v1_semantics.md section 4.3 (default mode only)
+  vllm-layout    vLLM's per-(request x token tile) layout, re-implemented from the semantics of
+                 vLLM's copy_and_expand_dflash_inputs_kernel (default mode only)
   default        dflash_rs.kernels, default (vLLM-compatible) mode
   strict         dflash_rs.kernels, strict mode (num_blocks_per_row, max_model_len), with the
                  exact per-launch violation count (per-program slots, summed when read)

@@ -1,8 +1,8 @@
 """pytest-benchmark mirrors of the criterion benches in ``rust/core/benches/core.rs``.
 
-Same shapes as vLLM 0.33's micro-benchmarks (``shared/baselines/vllm/RESULTS.md``): a 4,096-block
-pool, block size 16, a 256-token (16-block) prompt. The difference between a Python median and the
-matching criterion median is the cost of crossing the boundary.
+Same shapes as the micro-benchmarks of vLLM 0.33's KV-cache manager: a 4,096-block pool, block
+size 16, a 256-token (16-block) prompt. The difference between a Python median and the matching
+criterion median is the cost of crossing the boundary.
 
 ``KVCacheManager.free`` forgets the request, so every cycle has to ``add_request`` it again; each
 operation is therefore measured twice, with and without the operation of interest, and the report

@@ -1,7 +1,7 @@
 """Test helpers for the DFlash expansion: random cases and an independent plain-Python oracle.
 
-The oracle is written per lane straight from the pseudo-code of section 4.3 of
-shared/reference/vllm_v1_semantics.md (vLLM's ``copy_and_expand_dflash_inputs_kernel``), plus
+The oracle is written per lane straight from the semantics of vLLM's
+``copy_and_expand_dflash_inputs_kernel``, plus
 the strict-mode rules and the padding conventions of ``dflash_rs.kernels``. It shares no code with
 the package, so a bug has to be made twice to go unnoticed.
 """

@@ -1,9 +1,9 @@
 """A small pure-Python reference model of the KV-cache manager rules.
 
-Written from the behavioural spec (/work/shared/reference/vllm_v1_semantics.md, sections 1, 2
-and 7; vLLM 0.33 semantics for one full-attention KV group) and the project's DESIGN.md,
-section 3 -- not from the Rust sources.  It is deliberately naive (plain lists and dicts, O(n)
-everywhere) so that it is easy to check by eye.
+Written from vLLM 0.33's behaviour for one full-attention KV group (its block pool, KV-cache
+manager and their invariants) and this project's ownership rules -- not from the Rust sources.
+It is deliberately naive (plain lists and dicts, O(n) everywhere) so that it is easy to check by
+eye.
 
 Differences from vLLM that our API has on purpose: no EAGLE "drop the last hit block" rule, block
 hashes are our own, and bad input raises (the model raises the same exception classes).

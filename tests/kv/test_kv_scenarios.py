@@ -1,8 +1,8 @@
 """Full-attention KV-cache scenarios, ported from vLLM's own tests with their numbers.
 
-Sources (reference doc /work/shared/reference/vllm_v1_semantics.md, section 5):
-5.1 tests/v1/core/test_kv_cache_utils.py, 5.2 tests/v1/core/test_prefix_caching.py,
-5.3 tests/v1/core/test_single_type_kv_cache_manager.py, plus the worked arithmetic of 2.9.
+Sources (vLLM's test files): tests/v1/core/test_kv_cache_utils.py,
+tests/v1/core/test_prefix_caching.py, tests/v1/core/test_single_type_kv_cache_manager.py, plus
+the worked allocation arithmetic of vLLM's KV-cache manager.
 
 Adaptation to our API: vLLM's ``request.num_computed_tokens`` is our ``num_computed_tokens``;
 ``get_computed_blocks`` returns ``(hit block ids, hit tokens)``; ``allocate_slots`` returns the

@@ -1,5 +1,5 @@
 """The workload of the scheduler benchmark: a faithful re-implementation of the prompt
-generator of vLLM's scheduler anchor harness (``shared/baselines/vllm``), so that for one seed
+generator of vLLM's scheduler anchor harness (``bench_vllm_scheduler.py``), so that for one seed
 both schedulers see identical prompts (checked by sha256 in ``--baseline-python`` runs)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 //! Criterion benchmarks of the core's hot paths, mirroring vLLM 0.33's micro-benchmarks
-//! (`shared/baselines/vllm/RESULTS.md`: 256-token prompt = 16 blocks of 16, a 4,096-block pool)
+//! (a 256-token prompt = 16 blocks of 16, a 4,096-block pool)
 //! and the Python benchmarks in `benches/python/test_bench_kv.py`.
 //!
 //! Run: `cargo bench -p dflash-core --bench core` (add `-- --warm-up-time 1 --measurement-time 3`
