@@ -19,8 +19,8 @@ use pyo3::prelude::*;
 /// allocator). A step walks each running request's token, hash and block vectors; mimalloc
 /// packs such vectors of one size class together in arenas it backs with transparent huge
 /// pages, so the walk touches far fewer pages (and TLB entries) than with glibc's malloc
-/// (measured in docs/BENCHMARKS.md). `local_dynamic_tls` because the module is loaded with
-/// `dlopen`.
+/// (measured when it was introduced; see the history of docs/BENCHMARKS.md).
+/// `local_dynamic_tls` because the module is loaded with `dlopen`.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
