@@ -66,7 +66,9 @@ def run_side(
     models: dict[str, str], root: str, scheduler: str, interval: int
 ) -> tuple[dict[str, Any], str]:
     engine = {k: v for k, v in BASE_ENGINE.items() if k != "distributed_executor_backend"}
-    engine |= {"model": models["qwen3"], "data_parallel_size": 2}
+    # float32: which rank serves a request, and so the batches it shares, depends on timing;
+    # in bf16 a different batch can flip a near-tied greedy token, in float32 it does not.
+    engine |= {"model": models["qwen3"], "data_parallel_size": 2, "dtype": "float32"}
     if interval > 1:
         # The DP engine core then throttles prefills on every step the interval skips
         # (schedule(throttle_prefills=True)).
