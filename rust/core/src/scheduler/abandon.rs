@@ -22,7 +22,9 @@
 use crate::error::{broken, CoreError, CoreResult};
 use crate::request::RequestStatus;
 
-use super::{priority_key, InFlightEntry, Scheduler};
+use super::admission::priority_key;
+use super::in_flight::InFlightEntry;
+use super::Scheduler;
 
 /// Abandoned step ids remembered, to say so when their output arrives (an older one is refused
 /// as already applied: still a `State` error).

@@ -1,0 +1,189 @@
+//! Phase A of the step: running requests get their next tokens, in running order; when the pool
+//! is short, a victim (FCFS: the last running; priority: the lowest priority, latest arrival) is
+//! preempted back to the front of the waiting queue.
+
+use crate::error::{broken, CoreResult};
+use crate::kv_manager::AllocateArgs;
+use crate::lookahead::AllocationKind;
+use crate::output::{EntryKind, StepOutput};
+use crate::queue::Policy;
+use crate::request::RequestStatus;
+use crate::semantics::VllmSemantics;
+
+use super::admission::priority_key;
+use super::budget::StepBudget;
+use super::Scheduler;
+
+impl Scheduler {
+    /// Phase A: running requests, in running order. Returns whether a request in the middle of
+    /// its prefill was scheduled.
+    pub(super) fn schedule_running(
+        &mut self,
+        budget: &mut StepBudget,
+        scheduled_order: &mut Vec<u32>,
+        preempted_any: &mut bool,
+        hold_prefills: bool,
+        out: &mut StepOutput,
+    ) -> CoreResult<bool> {
+        let mut prefill_scheduled = false;
+        let lookahead = self.lookahead_for(AllocationKind::Running);
+        let threshold = self.config.long_prefill_token_threshold;
+        let max_model_len = self.config.max_model_len;
+        let mut index = 0;
+        while index < self.running.len() && budget.can_schedule() {
+            // Running order mostly follows row order: the row a few requests ahead is where a
+            // new block of theirs will be written (a hint; a wrong row costs nothing).
+            self.rows.prefetch_append(index + crate::prefetch::DISTANCE);
+            let slot = self.running[index];
+            let r = self.store.get(slot)?;
+            if r.in_flight_reaches_max_tokens() || (hold_prefills && r.is_prefill_chunk) {
+                // Held back: its next prefill chunk waits for a step that carries prefills.
+                index += 1;
+                continue;
+            }
+            let computed = r.num_computed_tokens;
+            let placeholders = r.num_output_placeholders;
+            let mut num_new =
+                (r.num_tokens() + r.spec_token_ids.len() + placeholders).saturating_sub(computed);
+            if threshold > 0 && num_new > threshold {
+                num_new = threshold;
+            }
+            // Every input position stays <= max_model_len - 2 (room for the sampled token), but
+            // the known tokens may always be computed: a prompt of exactly max_model_len must
+            // finish its prefill instead of waiting forever for its last token.
+            let length_cap = max_model_len
+                .saturating_sub(1 + computed)
+                .max(r.num_tokens().saturating_sub(computed));
+            num_new = num_new.min(budget.cap()).min(length_cap);
+            if num_new == 0 {
+                index += 1;
+                continue;
+            }
+            let mut allocated = None;
+            self.scratch.cached_before[slot as usize] = r.blocks.num_cached_blocks as u32;
+            loop {
+                let r = self.store.get_mut(slot)?;
+                let args = AllocateArgs {
+                    num_new_tokens: num_new,
+                    num_computed_tokens: computed,
+                    num_lookahead_tokens: lookahead,
+                    ..Default::default()
+                };
+                let seq = crate::kv_manager::SequenceView {
+                    tokens: &r.tokens,
+                    block_hashes: &r.block_hashes,
+                    extra: &r.spec.extra,
+                };
+                if let Some(first_new) = self.kv.allocate_slots(&mut r.blocks, seq, args)? {
+                    if self.kv.kv_events_on() {
+                        self.kv.attribute_kv_events(&r.spec.request_id);
+                    }
+                    allocated = Some(first_new);
+                    break;
+                }
+                if self.running.len() == 1 {
+                    // Alone and still short: the pool can never hold this request. End it
+                    // instead of letting it preempt itself forever.
+                    self.end_unservable(slot)?;
+                    break;
+                }
+                let victim_index = self.pick_victim()?;
+                let victim = self.running.remove(victim_index);
+                *preempted_any = true;
+                if victim_index < index {
+                    // Priority policy: the victim was already scheduled this step; undo it, and
+                    // take back the prefix-cache entries it registered for KV never computed.
+                    budget.give_back(self.scratch.scheduled[victim as usize] as usize);
+                    let cached_before = self.scratch.cached_before[victim as usize] as usize;
+                    self.scratch.unschedule(victim);
+                    scheduled_order.retain(|&s| s != victim);
+                    index -= 1;
+                    let v = self.store.get_mut(victim)?;
+                    self.kv.uncache_blocks(&mut v.blocks, cached_before);
+                }
+                self.preempt(victim, out)?;
+                if victim == slot {
+                    break;
+                }
+            }
+            let Some(first_new) = allocated else {
+                if self.store.slot_of_generation(slot).is_none() {
+                    // Ended above: the pool can never hold it; `running` is empty now.
+                    break;
+                }
+                if self.config.policy == Policy::Priority
+                    && self.config.vllm_semantics == VllmSemantics::V0_33
+                {
+                    // The current request preempted itself; try the next one (vLLM 0.33; 0.32
+                    // ends the running phase here).
+                    continue;
+                }
+                break;
+            };
+            if let Some(row) = self.store.row(slot) {
+                let r = self.store.get(slot)?;
+                self.rows
+                    .append(row as usize, &r.blocks.block_ids[first_new..]);
+            }
+            let r = self.store.get_mut(slot)?;
+            let s = slot as usize;
+            self.scratch.scheduled[s] = num_new as u32;
+            self.scratch.kind[s] = Some(EntryKind::Running);
+            self.scratch.new_blocks_start[s] = first_new as u32;
+            self.scratch.computed_before[s] = computed as u32;
+            let num_spec = (num_new + computed).saturating_sub(r.num_tokens() + placeholders);
+            r.spec_token_ids.truncate(num_spec);
+            self.scratch.num_spec[s] = r.spec_token_ids.len() as u32;
+            prefill_scheduled |= r.is_prefill_chunk;
+            scheduled_order.push(slot);
+            budget.take(num_new);
+            index += 1;
+        }
+        Ok(prefill_scheduled)
+    }
+
+    /// Index in `running` of the request to preempt.
+    fn pick_victim(&self) -> CoreResult<usize> {
+        if self.running.is_empty() {
+            return Err(broken!(
+                "allocation failed with no running request to preempt"
+            ));
+        }
+        match self.config.policy {
+            Policy::Fcfs => Ok(self.running.len() - 1),
+            Policy::Priority => {
+                let mut best = 0;
+                let mut best_key = priority_key(self.store.get(self.running[0])?);
+                for (i, &slot) in self.running.iter().enumerate().skip(1) {
+                    let key = priority_key(self.store.get(slot)?);
+                    // Largest key = lowest priority, latest arrival.
+                    if key.cmp_key(&best_key).is_ge() {
+                        best = i;
+                        best_key = key;
+                    }
+                }
+                Ok(best)
+            }
+        }
+    }
+
+    /// Recompute preemption: free the blocks (full ones stay cached), reset progress, back to
+    /// the front of the waiting queue. The caller already removed it from `running`.
+    pub(super) fn preempt(&mut self, slot: u32, out: &mut StepOutput) -> CoreResult<()> {
+        self.keep_dropping_stale_output(slot);
+        self.rows.remove(&mut self.store, slot);
+        let r = self.store.get_mut(slot)?;
+        self.kv.free(&mut r.blocks);
+        r.status = RequestStatus::Preempted;
+        r.num_computed_tokens = 0;
+        r.num_output_placeholders = 0;
+        r.spec_token_ids.clear();
+        r.is_prefill_chunk = false;
+        r.num_preemptions += 1;
+        out.preempted_req_ids.push(r.spec.request_id.clone());
+        let key = priority_key(r);
+        self.waiting.push_front(slot, key);
+        self.stats.num_preemptions += 1;
+        Ok(())
+    }
+}
