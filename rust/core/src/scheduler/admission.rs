@@ -93,6 +93,8 @@ impl Scheduler {
         result
     }
 
+    /// Admits queue heads while the budget and `max_num_seqs` allow; those that must wait are
+    /// taken out into `passed_over`. Returns whether a prefill was admitted.
     fn admit_waiting(
         &mut self,
         budget: &mut StepBudget,
@@ -102,8 +104,6 @@ impl Scheduler {
     ) -> CoreResult<bool> {
         let prefill_scheduled = prefills.scheduled;
         let mut prefill_admitted = false;
-        let threshold = self.config.long_prefill_token_threshold;
-        let k = self.config.num_speculative_tokens;
         let num_running_scheduled = scheduled_order.len();
         // The LoRA adapters of the step's requests, built at the first waiting LoRA request.
         let mut scheduled_loras: Option<Vec<u32>> = None;
@@ -111,47 +111,10 @@ impl Scheduler {
             let Some(slot) = self.waiting.peek() else {
                 break;
             };
-            let r = self.store.get(slot)?;
-            if r.admission_hold {
-                // As vLLM's blocked statuses (a grammar still compiling): checked first.
-                self.held_passed_over.push(slot);
+            let lora_id = self.counted_lora(self.store.get(slot)?);
+            if self.must_wait(slot, lora_id, scheduled_order, &mut scheduled_loras)? {
                 self.pass_over(slot, passed_over)?;
                 continue;
-            }
-            if r.status == RequestStatus::Preempted
-                && r.num_in_flight_tokens > 0
-                && !self.drops_stale_output(slot)
-            {
-                // As vLLM 0.33: output of a step scheduled before its preemption is still to
-                // come; resuming now could recompute positions that output delivers later.
-                // (Output to be dropped delivers nothing: such a request resumes at once.)
-                self.pass_over(slot, passed_over)?;
-                continue;
-            }
-            let lora_id = if self.config.max_loras > 0 {
-                r.spec.lora_id
-            } else {
-                0
-            };
-            if lora_id != 0 {
-                if scheduled_loras.is_none() {
-                    // vLLM 0.33 counts every running request's adapter (an unscheduled one may
-                    // join a later batch); 0.32 those of the running requests it scheduled.
-                    let counted = match self.config.vllm_semantics {
-                        VllmSemantics::V0_32 => scheduled_order.as_slice(),
-                        VllmSemantics::V0_33 => self.running.as_slice(),
-                    };
-                    scheduled_loras = Some(self.loras_of(counted)?);
-                }
-                let max_loras = self.config.max_loras;
-                let at_limit = scheduled_loras
-                    .as_ref()
-                    .is_some_and(|l| l.len() >= max_loras && !l.contains(&lora_id));
-                if at_limit {
-                    // As vLLM: admitting it would exceed max_loras; it keeps its place.
-                    self.pass_over(slot, passed_over)?;
-                    continue;
-                }
             }
             let r = self.store.get(slot)?;
             let computed_before_hits = r.num_computed_tokens;
@@ -168,35 +131,15 @@ impl Scheduler {
             if prefills.hold && needs_prefill {
                 break; // held back until a step that carries prefills (`cadence.rs`)
             }
-            let mut num_new = r.num_tokens() - hit_tokens;
-            // vLLM 0.33 (opt-in here): an admission with one token left to compute (a resume, a
-            // full prefix hit) joins a decode batch as a uniform 1 + K decode with K placeholder
-            // drafts, so the batch keeps one shape (CUDA graphs).
-            let pad = self.config.pad_admitted_decodes
-                && k > 0
-                && num_new == 1
-                && !prefill_scheduled
-                && (num_running_scheduled > 0 || hit_tokens > 0)
-                && hit_tokens + 1 + k < self.config.max_model_len // room for the sampled token
-                && (threshold == 0 || threshold > k);
-            let cap = budget.cap();
-            let pad = pad && {
-                if 1 + k > cap && num_running_scheduled > 0 {
-                    break; // vLLM: rather not schedule it than schedule it unpadded
-                }
-                // Alone, a budget below 1 + K would block it forever: schedule it unpadded.
-                k < cap
-            };
-            if pad {
-                num_new = 1 + k;
-            }
-            if threshold > 0 && num_new > threshold {
-                num_new = threshold;
-            }
-            if !self.config.enable_chunked_prefill && num_new > cap {
+            let Some((num_new, pad)) = self.admission_size(
+                r.num_tokens() - hit_tokens,
+                hit_tokens,
+                budget.cap(),
+                prefill_scheduled,
+                num_running_scheduled,
+            ) else {
                 break;
-            }
-            num_new = num_new.min(cap);
+            };
             let lookahead = self.lookahead_for(AllocationKind::Admission {
                 num_computed_tokens: computed_before_hits,
             });
@@ -232,54 +175,169 @@ impl Scheduler {
             if self.kv.kv_events_on() {
                 self.kv.attribute_kv_events(&r.spec.request_id);
             }
-            self.waiting.pop();
-            if r.deferred {
-                r.deferred = false;
-                self.num_deferred -= 1;
-            }
-            let kind = if r.status == RequestStatus::Preempted {
-                EntryKind::Resumed
-            } else {
-                EntryKind::New
-            };
             if let Some(loras) = scheduled_loras.as_mut().filter(|_| lora_id != 0) {
                 if !loras.contains(&lora_id) {
                     loras.push(lora_id);
                 }
             }
-            if self.config.enable_prefix_caching && reads_cache {
-                let stats = if r.num_preemptions > 0 {
-                    &mut self.stats.resumed_prefix
-                } else {
-                    &mut self.stats.admitted_prefix
-                };
-                stats.requests += 1;
-                stats.queries += r.num_tokens() as u64;
-                stats.hits += hit_tokens as u64;
-            }
-            r.status = RequestStatus::Running;
-            r.num_computed_tokens = hit_tokens;
-            let blocks = std::mem::take(&mut r.blocks.block_ids);
-            self.rows.add(&mut self.store, slot, &blocks);
-            self.store.get_mut(slot)?.blocks.block_ids = blocks;
-            self.running.push(slot);
-            let s = slot as usize;
-            self.scratch.scheduled[s] = num_new as u32;
-            self.scratch.kind[s] = Some(kind);
-            self.scratch.new_blocks_start[s] = 0;
-            self.scratch.computed_before[s] = hit_tokens as u32;
-            self.scratch.cached_before[s] = (hit_tokens / self.config.block_size) as u32;
-            let r = self.store.get_mut(slot)?;
-            r.spec_token_ids.clear();
-            if pad {
-                r.spec_token_ids.resize(k, PLACEHOLDER_TOKEN);
-            }
-            self.scratch.num_spec[s] = r.spec_token_ids.len() as u32;
+            self.admit(slot, num_new, hit_tokens, reads_cache, pad)?;
             scheduled_order.push(slot);
             budget.take(num_new);
             prefill_admitted |= needs_prefill;
         }
         Ok(prefill_admitted)
+    }
+
+    /// The adapter `r` counts against `max_loras` (0: none, or no limit configured).
+    fn counted_lora(&self, r: &Request) -> u32 {
+        if self.config.max_loras > 0 {
+            r.spec.lora_id
+        } else {
+            0
+        }
+    }
+
+    /// Whether the queue head `slot` must wait this step, keeping its place: held back
+    /// (`hold.rs`), its stale output still to come, or its adapter `lora_id` past `max_loras`
+    /// among `scheduled_loras` (built here at the first LoRA request).
+    fn must_wait(
+        &mut self,
+        slot: u32,
+        lora_id: u32,
+        scheduled_order: &[u32],
+        scheduled_loras: &mut Option<Vec<u32>>,
+    ) -> CoreResult<bool> {
+        let r = self.store.get(slot)?;
+        if r.admission_hold {
+            // As vLLM's blocked statuses (a grammar still compiling): checked first.
+            self.held_passed_over.push(slot);
+            return Ok(true);
+        }
+        if r.status == RequestStatus::Preempted
+            && r.num_in_flight_tokens > 0
+            && !self.drops_stale_output(slot)
+        {
+            // As vLLM 0.33: output of a step scheduled before its preemption is still to
+            // come; resuming now could recompute positions that output delivers later.
+            // (Output to be dropped delivers nothing: such a request resumes at once.)
+            return Ok(true);
+        }
+        if lora_id != 0 {
+            if scheduled_loras.is_none() {
+                // vLLM 0.33 counts every running request's adapter (an unscheduled one may
+                // join a later batch); 0.32 those of the running requests it scheduled.
+                let counted = match self.config.vllm_semantics {
+                    VllmSemantics::V0_32 => scheduled_order,
+                    VllmSemantics::V0_33 => self.running.as_slice(),
+                };
+                *scheduled_loras = Some(self.loras_of(counted)?);
+            }
+            let max_loras = self.config.max_loras;
+            let at_limit = scheduled_loras
+                .as_ref()
+                .is_some_and(|l| l.len() >= max_loras && !l.contains(&lora_id));
+            if at_limit {
+                // As vLLM: admitting it would exceed max_loras; it keeps its place.
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Tokens to schedule for an admission with `num_new` tokens left after its `hit_tokens`
+    /// prefix hit, within `cap`, and whether it is padded to a 1 + K decode; `None` when
+    /// admission stops at it.
+    fn admission_size(
+        &self,
+        mut num_new: usize,
+        hit_tokens: usize,
+        cap: usize,
+        prefill_scheduled: bool,
+        num_running_scheduled: usize,
+    ) -> Option<(usize, bool)> {
+        let threshold = self.config.long_prefill_token_threshold;
+        let k = self.config.num_speculative_tokens;
+        // vLLM 0.33 (opt-in here): an admission with one token left to compute (a resume, a
+        // full prefix hit) joins a decode batch as a uniform 1 + K decode with K placeholder
+        // drafts, so the batch keeps one shape (CUDA graphs).
+        let pad = self.config.pad_admitted_decodes
+            && k > 0
+            && num_new == 1
+            && !prefill_scheduled
+            && (num_running_scheduled > 0 || hit_tokens > 0)
+            && hit_tokens + 1 + k < self.config.max_model_len // room for the sampled token
+            && (threshold == 0 || threshold > k);
+        let pad = pad && {
+            if 1 + k > cap && num_running_scheduled > 0 {
+                return None; // vLLM: rather not schedule it than schedule it unpadded
+            }
+            // Alone, a budget below 1 + K would block it forever: schedule it unpadded.
+            k < cap
+        };
+        if pad {
+            num_new = 1 + k;
+        }
+        if threshold > 0 && num_new > threshold {
+            num_new = threshold;
+        }
+        if !self.config.enable_chunked_prefill && num_new > cap {
+            return None;
+        }
+        Some((num_new.min(cap), pad))
+    }
+
+    /// Admits the queue head `slot`, allocated for `num_new` tokens after its `hit_tokens`
+    /// prefix hit: off the queue, into `running` and the block table, scheduled in the step's
+    /// scratch (with K placeholder drafts if `pad`).
+    fn admit(
+        &mut self,
+        slot: u32,
+        num_new: usize,
+        hit_tokens: usize,
+        reads_cache: bool,
+        pad: bool,
+    ) -> CoreResult<()> {
+        self.waiting.pop();
+        let r = self.store.get_mut(slot)?;
+        if r.deferred {
+            r.deferred = false;
+            self.num_deferred -= 1;
+        }
+        let kind = if r.status == RequestStatus::Preempted {
+            EntryKind::Resumed
+        } else {
+            EntryKind::New
+        };
+        if self.config.enable_prefix_caching && reads_cache {
+            let stats = if r.num_preemptions > 0 {
+                &mut self.stats.resumed_prefix
+            } else {
+                &mut self.stats.admitted_prefix
+            };
+            stats.requests += 1;
+            stats.queries += r.num_tokens() as u64;
+            stats.hits += hit_tokens as u64;
+        }
+        r.status = RequestStatus::Running;
+        r.num_computed_tokens = hit_tokens;
+        let blocks = std::mem::take(&mut r.blocks.block_ids);
+        self.rows.add(&mut self.store, slot, &blocks);
+        self.store.get_mut(slot)?.blocks.block_ids = blocks;
+        self.running.push(slot);
+        let s = slot as usize;
+        self.scratch.scheduled[s] = num_new as u32;
+        self.scratch.kind[s] = Some(kind);
+        self.scratch.new_blocks_start[s] = 0;
+        self.scratch.computed_before[s] = hit_tokens as u32;
+        self.scratch.cached_before[s] = (hit_tokens / self.config.block_size) as u32;
+        let r = self.store.get_mut(slot)?;
+        r.spec_token_ids.clear();
+        if pad {
+            r.spec_token_ids
+                .resize(self.config.num_speculative_tokens, PLACEHOLDER_TOKEN);
+        }
+        self.scratch.num_spec[s] = r.spec_token_ids.len() as u32;
+        Ok(())
     }
 
     /// Takes the queue head `slot` out for this step (it goes back to the front after it),
