@@ -20,6 +20,17 @@ fn config(interval: usize, budget: usize) -> SchedulerConfig {
     c
 }
 
+/// A scheduler of `config(interval, budget)` with `requests` (id, prompt length, max tokens)
+/// added in order.
+fn scheduler(interval: usize, budget: usize, requests: &[(&str, usize, usize)]) -> Scheduler {
+    let mut s = Scheduler::new(config(interval, budget)).unwrap();
+    for &(id, prompt_len, max_tokens) in requests {
+        add(&mut s, id, prompt_len, max_tokens);
+    }
+    s
+}
+
+/// One `schedule_throttled(throttle)`, with the invariants checked after it.
 fn step(s: &mut Scheduler, throttle: bool) -> StepOutput {
     let mut out = StepOutput::default();
     s.schedule_throttled(&mut out, throttle).unwrap();
@@ -27,8 +38,21 @@ fn step(s: &mut Scheduler, throttle: bool) -> StepOutput {
     out
 }
 
-/// (id, kind, tokens) of each entry.
-fn entries(s: &Scheduler, out: &StepOutput) -> Vec<(String, EntryKind, i32)> {
+/// A step entry: (id, kind, tokens).
+type Entry = (String, EntryKind, i32);
+
+/// The entry of running request `id` scheduled for `tokens`.
+fn running(id: &str, tokens: i32) -> Entry {
+    (id.into(), EntryKind::Running, tokens)
+}
+
+/// The entry of new request `id` admitted for `tokens`.
+fn admitted(id: &str, tokens: i32) -> Entry {
+    (id.into(), EntryKind::New, tokens)
+}
+
+/// The entries of `out`.
+fn entries(s: &Scheduler, out: &StepOutput) -> Vec<Entry> {
     ids(s, &out.slots)
         .into_iter()
         .zip(&out.kinds)
@@ -42,12 +66,16 @@ fn run(s: &mut Scheduler, out: &StepOutput) {
     apply(s, out, |_| vec![100]);
 }
 
+/// One step, then its output ([`run`]).
+fn step_and_run(s: &mut Scheduler, throttle: bool) {
+    let out = step(s, throttle);
+    run(s, &out);
+}
+
 /// A scheduler whose request "d" is decoding after two steps (prefill, first decode).
 fn decoding(interval: usize) -> Scheduler {
-    let mut s = Scheduler::new(config(interval, 256)).unwrap();
-    add(&mut s, "d", 20, 100);
-    let out = step(&mut s, false);
-    run(&mut s, &out);
+    let mut s = scheduler(interval, 256, &[("d", 20, 100)]);
+    step_and_run(&mut s, false);
     s
 }
 
@@ -58,54 +86,35 @@ fn local_interval_holds_admissions_while_decodes_run() {
     for _ in 0..2 {
         // Steps 2 and 3: 2 - 1 and 3 - 1 < 3.
         let out = step(&mut s, false);
-        assert_eq!(entries(&s, &out), [("d".into(), EntryKind::Running, 1)]);
+        assert_eq!(entries(&s, &out), [running("d", 1)]);
         run(&mut s, &out);
     }
     let out = step(&mut s, false); // step 4: released
-    assert_eq!(
-        entries(&s, &out),
-        [
-            ("d".into(), EntryKind::Running, 1),
-            ("w".into(), EntryKind::New, 40)
-        ]
-    );
+    assert_eq!(entries(&s, &out), [running("d", 1), admitted("w", 40)]);
 }
 
 #[test]
 fn throttle_holds_running_prefill_chunks_back() {
-    let mut s = Scheduler::new(config(1, 48)).unwrap();
-    add(&mut s, "d", 20, 100);
-    add(&mut s, "p", 100, 4);
-    let out = step(&mut s, false); // d whole, p's first 28 tokens
-    run(&mut s, &out);
+    let mut s = scheduler(1, 48, &[("d", 20, 100), ("p", 100, 4)]);
+    step_and_run(&mut s, false); // d whole, p's first 28 tokens
     assert!(req(&s, "p").is_prefill_chunk);
     let out = step(&mut s, true);
-    assert_eq!(entries(&s, &out), [("d".into(), EntryKind::Running, 1)]);
+    assert_eq!(entries(&s, &out), [running("d", 1)]);
     run(&mut s, &out);
     let out = step(&mut s, false);
-    assert_eq!(
-        entries(&s, &out),
-        [
-            ("d".into(), EntryKind::Running, 1),
-            ("p".into(), EntryKind::Running, 47)
-        ]
-    );
+    assert_eq!(entries(&s, &out), [running("d", 1), running("p", 47)]);
 }
 
 #[test]
 fn nothing_decoding_means_nothing_held_back() {
-    let mut s = Scheduler::new(config(4, 256)).unwrap();
-    add(&mut s, "a", 20, 4);
+    let mut s = scheduler(4, 256, &[("a", 20, 4)]);
     let out = step(&mut s, true);
-    assert_eq!(entries(&s, &out), [("a".into(), EntryKind::New, 20)]);
+    assert_eq!(entries(&s, &out), [admitted("a", 20)]);
     // Only a prefill chunk running: the next admission is not held either.
-    let mut s = Scheduler::new(config(1, 32)).unwrap();
-    add(&mut s, "a", 100, 4);
-    add(&mut s, "b", 20, 4);
+    let mut s = scheduler(1, 32, &[("a", 100, 4), ("b", 20, 4)]);
+    step_and_run(&mut s, true);
     let out = step(&mut s, true);
-    run(&mut s, &out);
-    let out = step(&mut s, true);
-    assert_eq!(entries(&s, &out), [("a".into(), EntryKind::Running, 32)]);
+    assert_eq!(entries(&s, &out), [running("a", 32)]);
 }
 
 #[test]
@@ -127,30 +136,21 @@ fn a_full_prefix_hit_is_admitted_on_a_held_step() {
     miss.extend([7, 8]);
     s.add_request(spec("miss", miss)).unwrap();
     let out = step(&mut s, true);
-    assert_eq!(
-        entries(&s, &out),
-        [
-            ("d".into(), EntryKind::Running, 1),
-            ("hit".into(), EntryKind::New, 1)
-        ]
-    );
+    assert_eq!(entries(&s, &out), [running("d", 1), admitted("hit", 1)]);
     // The request needing a prefill stops admission there; it keeps its place.
     assert_eq!(ids(&s, &s.waiting_in_order()), ["miss"]);
 }
 
 #[test]
 fn a_release_that_leaves_the_queue_backed_up_stops_the_cadence() {
-    let mut s = Scheduler::new(config(4, 60)).unwrap();
-    add(&mut s, "d", 20, 100);
-    add(&mut s, "a", 40, 4);
-    add(&mut s, "b", 40, 4);
+    let mut s = scheduler(4, 60, &[("d", 20, 100), ("a", 40, 4), ("b", 40, 4)]);
     let out = step(&mut s, false); // d, a fill the budget; b left waiting
     assert_eq!(out.num_reqs(), 2);
     assert!(s.prefill_capacity_bound());
     run(&mut s, &out);
     // Interval not over, throttled too: admitted anyway while the queue is backed up.
     let out = step(&mut s, true);
-    assert!(entries(&s, &out).contains(&("b".into(), EntryKind::New, 40)));
+    assert!(entries(&s, &out).contains(&admitted("b", 40)));
     run(&mut s, &out);
     assert!(!s.prefill_capacity_bound()); // that release drained the queue
     add(&mut s, "c", 20, 4);
@@ -163,15 +163,14 @@ fn paused_new_records_the_capacity_bound() {
     let mut s = decoding(1);
     add(&mut s, "w", 20, 4);
     s.set_pause_state(PauseState::PausedNew);
-    let out = step(&mut s, false);
-    run(&mut s, &out);
+    step_and_run(&mut s, false);
     assert!(
         s.prefill_capacity_bound(),
         "vLLM: the release admitted nobody"
     );
     s.set_pause_state(PauseState::Unpaused);
     let out = step(&mut s, true); // not held: the bound lets w in
-    assert!(entries(&s, &out).contains(&("w".into(), EntryKind::New, 20)));
+    assert!(entries(&s, &out).contains(&admitted("w", 20)));
 }
 
 #[test]
@@ -185,10 +184,10 @@ fn idle_steps_do_not_count_towards_the_interval() {
     add(&mut s, "w", 20, 10);
     // Executed step 2, one after the prefill: still held.
     let out = step(&mut s, false);
-    assert_eq!(entries(&s, &out), [("d".into(), EntryKind::Running, 1)]);
+    assert_eq!(entries(&s, &out), [running("d", 1)]);
     run(&mut s, &out);
     let out = step(&mut s, false);
-    assert!(entries(&s, &out).contains(&("w".into(), EntryKind::New, 20)));
+    assert!(entries(&s, &out).contains(&admitted("w", 20)));
 }
 
 #[test]
@@ -265,11 +264,12 @@ fn workload() -> impl Strategy<Value = Workload> {
         )
 }
 
-fn property_config(w: &Workload, interval: usize) -> SchedulerConfig {
+/// A scheduler for workload `w` with local prefill interval `interval`.
+fn property_scheduler(w: &Workload, interval: usize) -> Scheduler {
     let max_model_len = 256.min((w.num_blocks - 1) * BS);
     let mut c = SchedulerConfig::new(w.num_blocks, BS, max_model_len, 6, w.budget);
     c.local_prefill_interval = interval;
-    c
+    Scheduler::new(c).unwrap()
 }
 
 /// vLLM 0.33's cadence rule, kept from what the steps show.
@@ -280,22 +280,30 @@ struct CadenceModel {
     executed: i64,
 }
 
-/// Arrivals drawn from `rng` (prompt lengths, output lengths), the same for every scheduler of
-/// one workload.
-fn arrivals(
-    rng: &mut TestRng,
-    w: &Workload,
-    max_model_len: usize,
-    next: &mut usize,
-) -> Vec<(String, usize, usize)> {
-    let mut out = Vec::new();
+/// Adds this step's arrivals, drawn from `rng` (prompt lengths, output lengths), the same for
+/// every scheduler of one workload; `next` counts the requests arrived so far.
+fn arrive(s: &mut Scheduler, rng: &mut TestRng, w: &Workload, next: &mut usize) {
+    let max_model_len = s.config().max_model_len;
     while *next < w.num_requests && (*next == 0 || rng.next_u32() % 3 == 0) {
         let prompt = 8 + rng.next_u32() as usize % (max_model_len / 2);
         let max_tokens = 1 + rng.next_u32() as usize % 24;
-        out.push((format!("r{next}"), prompt, max_tokens));
+        add(s, &format!("r{next}"), prompt, max_tokens);
         *next += 1;
     }
-    out
+}
+
+/// Applies a random output for `out` (EOS one token in 16) to `s`.
+fn apply_random_output(s: &mut Scheduler, out: &StepOutput, rng: &mut TestRng) {
+    let (tokens, counts) = common::random_output(out, rng, |r| {
+        if r.next_u32() % 16 == 0 {
+            2
+        } else {
+            100 + r.next_u32() % 1000
+        }
+    });
+    let mut upd = dflash_core::UpdateOutput::default();
+    s.update_from_output(out.step_id, &tokens, &counts, &mut upd)
+        .unwrap();
 }
 
 /// Whether each entry of `out` carries a prefill: a running request's chunk (it was a prefill
@@ -318,8 +326,7 @@ fn prefill_entries(s: &Scheduler, out: &StepOutput, chunk_before: &[(u32, bool)]
 /// Drives one workload through a scheduler with the workload's interval and throttle draws,
 /// checking each step against [`CadenceModel`]; returns the steps it took to finish everything.
 fn run_against_model(w: &Workload) -> Result<usize, TestCaseError> {
-    let mut s = Scheduler::new(property_config(w, w.interval)).unwrap();
-    let max_model_len = s.config().max_model_len;
+    let mut s = property_scheduler(w, w.interval);
     let mut rng = rng(w.seed);
     let mut model = CadenceModel {
         last_prefill_step: -(w.interval as i64),
@@ -327,9 +334,7 @@ fn run_against_model(w: &Workload) -> Result<usize, TestCaseError> {
     };
     let mut next = 0;
     for n in 0..3000 {
-        for (id, prompt, max_tokens) in arrivals(&mut rng, w, max_model_len, &mut next) {
-            add(&mut s, &id, prompt, max_tokens);
-        }
+        arrive(&mut s, &mut rng, w, &mut next);
         if s.num_unfinished() == 0 && next >= w.num_requests {
             return Ok(n);
         }
@@ -368,16 +373,7 @@ fn run_against_model(w: &Workload) -> Result<usize, TestCaseError> {
         if interval > 1 && prefills.iter().any(|&p| p) {
             model.last_prefill_step = model.executed;
         }
-        let (tokens, counts) = common::random_output(&out, &mut rng, |r| {
-            if r.next_u32() % 16 == 0 {
-                2
-            } else {
-                100 + r.next_u32() % 1000
-            }
-        });
-        let mut upd = dflash_core::UpdateOutput::default();
-        s.update_from_output(out.step_id, &tokens, &counts, &mut upd)
-            .unwrap();
+        apply_random_output(&mut s, &out, &mut rng);
         s.check_invariants().unwrap();
     }
     Err(TestCaseError::fail("requests did not finish in 3000 steps"))
@@ -392,13 +388,10 @@ fn trace(
     throttle: impl Fn(&Scheduler) -> bool,
 ) -> Vec<String> {
     let mut rng = rng(w.seed);
-    let max_model_len = s.config().max_model_len;
     let mut next = 0;
     let mut log = Vec::new();
     for _ in 0..600 {
-        for (id, prompt, max_tokens) in arrivals(&mut rng, w, max_model_len, &mut next) {
-            add(&mut s, &id, prompt, max_tokens);
-        }
+        arrive(&mut s, &mut rng, w, &mut next);
         if s.num_unfinished() == 0 && next >= w.num_requests {
             break;
         }
@@ -417,16 +410,7 @@ fn trace(
             out.preempted_req_ids,
             out.finished_req_ids
         ));
-        let (tokens, counts) = common::random_output(&out, &mut rng, |r| {
-            if r.next_u32() % 16 == 0 {
-                2
-            } else {
-                100 + r.next_u32() % 1000
-            }
-        });
-        let mut upd = dflash_core::UpdateOutput::default();
-        s.update_from_output(out.step_id, &tokens, &counts, &mut upd)
-            .unwrap();
+        apply_random_output(&mut s, &out, &mut rng);
     }
     log
 }
@@ -453,10 +437,10 @@ proptest! {
     /// changes nothing either.
     #[test]
     fn defaults_and_escapes_are_todays_schedule(w in workload()) {
-        let today = trace(&w, Scheduler::new(property_config(&w, 1)).unwrap(), false, |_| false);
-        let explicit = trace(&w, Scheduler::new(property_config(&w, 1)).unwrap(), true, |_| false);
+        let today = trace(&w, property_scheduler(&w, 1), false, |_| false);
+        let explicit = trace(&w, property_scheduler(&w, 1), true, |_| false);
         prop_assert_eq!(&today, &explicit);
-        let escaped = trace(&w, Scheduler::new(property_config(&w, 1)).unwrap(), true, |s| {
+        let escaped = trace(&w, property_scheduler(&w, 1), true, |s| {
             nothing_decoding(s) || s.prefill_capacity_bound()
         });
         prop_assert_eq!(&today, &escaped);
@@ -466,8 +450,8 @@ proptest! {
     /// alone: the two sources combine as one hold.
     #[test]
     fn always_throttled_ignores_the_interval(w in workload()) {
-        let throttled = trace(&w, Scheduler::new(property_config(&w, 1)).unwrap(), true, |_| true);
-        let both = trace(&w, Scheduler::new(property_config(&w, w.interval)).unwrap(), true, |_| true);
+        let throttled = trace(&w, property_scheduler(&w, 1), true, |_| true);
+        let both = trace(&w, property_scheduler(&w, w.interval), true, |_| true);
         prop_assert_eq!(&throttled, &both);
     }
 }
