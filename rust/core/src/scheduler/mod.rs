@@ -19,7 +19,8 @@
 //!    - A, `running.rs`: running requests get their next tokens; a short pool preempts;
 //!    - B, `admission.rs`: waiting requests are admitted (`hold.rs`: those held back);
 //!    - C, `layout.rs`: the batch goes into the block table and the step output.
-//! 4. `in_flight.rs`: the step awaits its output (an idle step at the limit is refused).
+//! 4. `in_flight.rs`: the step awaits its output; `in_flight_limit.rs`: an idle step planned
+//!    while as many await theirs as the engine keeps in flight is refused.
 //! 5. `update.rs`: the output is applied; `finish.rs` ends stopped, aborted and unservable
 //!    requests.
 //! 6. `abandon.rs`: or the step is abandoned, its output lost.
@@ -35,6 +36,7 @@ mod drafts;
 mod finish;
 mod hold;
 mod in_flight;
+mod in_flight_limit;
 mod invariants;
 mod layout;
 mod pause;
