@@ -290,6 +290,7 @@ impl Scheduler {
             ..Default::default()
         };
 
+        // Phase A (`running.rs`).
         prefills.scheduled = self.schedule_running(
             &mut budget,
             &mut scheduled_order,
@@ -298,6 +299,7 @@ impl Scheduler {
             out,
         )?;
         crate::fault::hit("schedule.after_running")?;
+        // Phase B (`admission.rs`): none after a preemption, nor while paused.
         if !preempted_any && self.pause != PauseState::PausedAll {
             if self.pause == PauseState::Unpaused {
                 prefills.admitted =
@@ -311,6 +313,7 @@ impl Scheduler {
         }
         self.refuse_idle_step(lookups_before, &scheduled_order, out)?;
         self.cadence.end_step(prefills, !scheduled_order.is_empty());
+        // Phase C (`layout.rs`).
         self.finish_step(out, scheduled_order)?;
         out.preempted_req_ids
             .append(&mut self.preempted_between_steps);
