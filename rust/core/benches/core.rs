@@ -13,9 +13,10 @@ use std::hint::black_box;
 
 use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{Criterion, Throughput};
-use dflash_core::free_queue::FreeQueue;
-use dflash_core::kv_manager::{AllocateArgs, RequestBlocks, SequenceView};
-use dflash_core::{BlockHash, BlockHasher, BlockPool, ExtraKeys, HashAlgo, KvCacheManager};
+use dflash_core::{
+    pool::FreeQueue, AllocateArgs, BlockHash, BlockHasher, BlockPool, ExtraKeys, HashAlgo,
+    KvCacheManager, RequestBlocks, SequenceView,
+};
 
 /// Pool size of the vLLM micro-benchmarks.
 const POOL_BLOCKS: usize = 4096;

@@ -3,8 +3,7 @@
 
 use std::time::Instant;
 
-use dflash_core::lookahead::SpecMethod;
-use dflash_core::{RequestSpec, Scheduler, SchedulerConfig, StepOutput, UpdateOutput};
+use dflash_core::{RequestSpec, Scheduler, SchedulerConfig, SpecMethod, StepOutput, UpdateOutput};
 
 fn main() {
     let args: Vec<usize> = std::env::args()
@@ -20,7 +19,7 @@ fn main() {
         config.enable_prefix_caching = false;
     }
     if let Ok(a) = std::env::var("HASH") {
-        config.hash_algo = dflash_core::hashing::HashAlgo::from_name(&a).expect("algo");
+        config.hash_algo = dflash_core::HashAlgo::from_name(&a).expect("algo");
     }
     if std::env::var("VERIFY").as_deref() == Ok("0") {
         config.verify_prefix_hits = false;

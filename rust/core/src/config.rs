@@ -4,7 +4,7 @@ use crate::error::{invalid, CoreResult};
 use crate::hashing::HashAlgo;
 use crate::limits;
 use crate::lookahead::{LookaheadPolicy, SpecMethod};
-use crate::queue::Policy;
+use crate::requests::queue::Policy;
 use crate::semantics::VllmSemantics;
 
 /// Everything that shapes scheduling and allocation.
@@ -63,7 +63,7 @@ pub struct SchedulerConfig {
     /// token). A block is hashed, and so cached, once those tokens exist. Replaces the last
     /// block drop. 0 (the default) hashes each block alone.
     pub hash_lookahead_tokens: usize,
-    /// Keep a log of prefix-cache changes ([`crate::kv_events`]) for the engine to publish as
+    /// Keep a log of prefix-cache changes (`pool::kv_events`) for the engine to publish as
     /// KV-cache events (vLLM's `--kv-events-config`). Off by default.
     pub kv_events: bool,
     /// The vLLM release series followed where their schedulers differ (0.33 by default).
@@ -128,7 +128,7 @@ impl SchedulerConfig {
         }
     }
 
-    /// Rejects inconsistent settings, and settings beyond the bounds of [`crate::limits`]
+    /// Rejects inconsistent settings, and settings beyond the bounds of `limits`
     /// (int32 fields; tables allocated up front within the machine's memory), before anything
     /// is allocated.
     pub fn validate(&self) -> CoreResult<()> {

@@ -46,7 +46,7 @@ macro_rules! broken {
 pub(crate) use broken;
 
 /// A vector of `len` copies of `value`, or an error instead of an abort when memory runs out.
-/// Large vectors are backed by huge pages where the OS allows (see [`crate::huge_pages`]).
+/// Large vectors are backed by huge pages where the OS allows (see [`crate::memory::huge_pages`]).
 pub fn try_filled_vec<T: Clone>(len: usize, value: T, what: &str) -> CoreResult<Vec<T>> {
     let mut v = Vec::new();
     v.try_reserve_exact(len).map_err(|_| {
@@ -54,7 +54,7 @@ pub fn try_filled_vec<T: Clone>(len: usize, value: T, what: &str) -> CoreResult<
             "cannot allocate {what} of {len} entries: out of memory"
         ))
     })?;
-    crate::huge_pages::advise(&v);
+    crate::memory::huge_pages::advise(&v);
     v.resize(len, value);
     Ok(v)
 }
@@ -81,7 +81,7 @@ pub fn try_zeroed_i32(len: usize, what: &str) -> CoreResult<Vec<i32>> {
             return Err(oom());
         }
         let v = Vec::from_raw_parts(ptr, len, len);
-        crate::huge_pages::advise(&v);
+        crate::memory::huge_pages::advise(&v);
         Ok(v)
     }
 }

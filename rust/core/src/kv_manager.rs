@@ -5,44 +5,10 @@
 //! it in together with a [`SequenceView`] of the request's tokens, so the scheduler needs no map
 //! lookups on the hot path.
 
-use crate::block_pool::{BlockPool, BlockSource, NULL_BLOCK};
 use crate::error::{invalid, CoreError, CoreResult};
-use crate::hashing::{BlockHash, ExtraKeys};
-use crate::kv_events::KvEvent;
-use crate::provenance::Fingerprint;
-
-/// Blocks held by one request, in logical order, and how many leading ones are in the prefix cache.
-///
-/// `repr(C)`: the block ids and the cached count, which every step reads, come first.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[repr(C)]
-pub struct RequestBlocks {
-    /// Block ids; entry `i` holds positions `[i * block_size, (i + 1) * block_size)`.
-    pub block_ids: Vec<u32>,
-    /// Leading blocks already registered in the prefix cache (never re-registered).
-    pub num_cached_blocks: usize,
-    /// Fingerprint of the prefix those leading blocks hold, when known (hit verification on):
-    /// the next blocks cached chain to it without reading the pool's entry of the last one.
-    pub cached_fingerprint: Option<Fingerprint>,
-}
-
-/// What the manager needs to know about a request's token sequence.
-#[derive(Debug, Clone, Copy)]
-pub struct SequenceView<'a> {
-    /// Known tokens (prompt + accepted outputs; never drafts).
-    pub tokens: &'a [u32],
-    /// Chained hashes of every full block of the known tokens (may be empty when caching is off).
-    pub block_hashes: &'a [BlockHash],
-    /// The request's extra keys (LoRA name, cache salt), checked on prefix-cache hits.
-    pub extra: &'a ExtraKeys,
-}
-
-impl SequenceView<'_> {
-    /// Number of known tokens.
-    pub fn num_tokens(&self) -> usize {
-        self.tokens.len()
-    }
-}
+use crate::pool::block_pool::{BlockPool, BlockSource, NULL_BLOCK};
+use crate::pool::kv_events::KvEvent;
+use crate::requests::kv_view::{RequestBlocks, SequenceView};
 
 /// Arguments of one `allocate_slots` call.
 #[derive(Debug, Clone, Copy, Default)]
@@ -94,7 +60,7 @@ pub fn cdiv(a: usize, b: usize) -> usize {
 
 impl KvCacheManager {
     /// A manager over `num_blocks` blocks of `block_size` tokens; refuses a pool beyond the
-    /// bounds of [`crate::limits::check_pool`] before allocating it.
+    /// bounds of `limits::check_pool` before allocating it.
     pub fn new(
         num_blocks: usize,
         block_size: usize,

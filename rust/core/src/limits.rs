@@ -17,9 +17,9 @@
 //!   depend on the moment; a tighter limit (a cgroup) is not seen. Where the installed memory
 //!   is unknown (not Linux) the bound is [`FALLBACK_MEMORY_BYTES`].
 
-use crate::batch_rows::BatchRows;
-use crate::block_pool::BlockPool;
+use crate::batch::batch_rows::BatchRows;
 use crate::error::{invalid, CoreResult};
+use crate::pool::block_pool::BlockPool;
 
 /// Largest value of a field that reaches the model runner as int32.
 pub const MAX_INT32_FIELD: usize = i32::MAX as usize;

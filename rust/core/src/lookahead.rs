@@ -134,6 +134,13 @@ pub enum AllocationKind {
         num_computed_tokens: usize,
     },
     /// Admission whose KV is loaded asynchronously from a remote prefill worker.
+    #[cfg_attr(
+        not(test),
+        expect(
+            dead_code,
+            reason = "vLLM's rule, kept in the policy; the scheduler never loads KV"
+        )
+    )]
     AsyncKvLoad,
 }
 

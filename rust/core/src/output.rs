@@ -2,7 +2,7 @@
 //! flat vectors in batch order (the bindings turn them into numpy arrays without per-block
 //! Python objects).
 
-use crate::request::FinishReason;
+use crate::requests::request::FinishReason;
 
 /// How a scheduled request entered this step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

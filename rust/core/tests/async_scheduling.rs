@@ -7,11 +7,9 @@
 mod common;
 
 use common::{add, apply, check_ownership, req, schedule, workload, Workload};
-use dflash_core::lookahead::SpecMethod;
-use dflash_core::scheduler::PLACEHOLDER_TOKEN;
-use dflash_core::table_snapshot::{SnapshotPool, TableSnapshot};
 use dflash_core::{
-    CoreError, FinishReason, RequestStatus, Scheduler, SchedulerConfig, StepOutput, UpdateOutput,
+    CoreError, FinishReason, RequestStatus, Scheduler, SchedulerConfig, SnapshotPool, SpecMethod,
+    StepOutput, TableSnapshot, UpdateOutput, PLACEHOLDER_TOKEN,
 };
 use proptest::prelude::*;
 use std::sync::Arc;

@@ -7,9 +7,9 @@ use std::collections::HashMap;
 mod common;
 
 use common::{add, apply, random_output, req, rng, schedule};
-use dflash_core::kv_events::KvEvent;
-use dflash_core::lookahead::SpecMethod;
-use dflash_core::{FinishReason, Scheduler, SchedulerConfig, StepOutput, NULL_BLOCK};
+use dflash_core::{
+    FinishReason, KvEvent, Scheduler, SchedulerConfig, SpecMethod, StepOutput, NULL_BLOCK,
+};
 use proptest::prelude::*;
 use proptest::test_runner::TestRng;
 

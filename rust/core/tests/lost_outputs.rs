@@ -6,8 +6,9 @@
 mod common;
 
 use common::{add, apply, req, schedule};
-use dflash_core::lookahead::SpecMethod;
-use dflash_core::{CoreError, RequestStatus, Scheduler, SchedulerConfig, StepOutput, UpdateOutput};
+use dflash_core::{
+    CoreError, RequestStatus, Scheduler, SchedulerConfig, SpecMethod, StepOutput, UpdateOutput,
+};
 
 const BS: usize = 16;
 

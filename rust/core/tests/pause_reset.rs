@@ -9,10 +9,9 @@ use std::collections::{HashSet, VecDeque};
 mod common;
 
 use common::{add, apply, check_ownership, ids, req, schedule, workload, Workload};
-use dflash_core::lookahead::SpecMethod;
 use dflash_core::{
-    EntryKind, FinishReason, PauseState, RequestStatus, Scheduler, SchedulerConfig, StepOutput,
-    UpdateOutput,
+    EntryKind, FinishReason, PauseState, RequestStatus, Scheduler, SchedulerConfig, SpecMethod,
+    StepOutput, UpdateOutput,
 };
 use proptest::prelude::*;
 

@@ -4,8 +4,9 @@
 
 mod common;
 
-use dflash_core::lookahead::{LookaheadPolicy, SpecMethod};
-use dflash_core::{Scheduler, SchedulerConfig, StepOutput, UpdateOutput};
+use dflash_core::{
+    LookaheadPolicy, Scheduler, SchedulerConfig, SpecMethod, StepOutput, UpdateOutput,
+};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]

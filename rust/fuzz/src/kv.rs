@@ -19,8 +19,10 @@
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 use arbitrary::{Arbitrary, Unstructured};
-use dflash_core::kv_manager::{cdiv, AllocateArgs, RequestBlocks, SequenceView};
-use dflash_core::{BlockHash, BlockHasher, ExtraKeys, HashAlgo, KvCacheManager};
+use dflash_core::{
+    cdiv, AllocateArgs, BlockHash, BlockHasher, ExtraKeys, HashAlgo, KvCacheManager, RequestBlocks,
+    SequenceView,
+};
 
 use crate::prompt_tokens;
 

@@ -25,10 +25,9 @@ use std::collections::{HashSet, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 use arbitrary::{Arbitrary, Unstructured};
-use dflash_core::lookahead::SpecMethod;
 use dflash_core::{
     CoreError, CoreResult, EntryKind, ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec,
-    Scheduler, SchedulerConfig, StepOutput, UpdateOutput,
+    Scheduler, SchedulerConfig, SpecMethod, StepOutput, UpdateOutput,
 };
 
 use crate::{prompt_tokens, Lcg};

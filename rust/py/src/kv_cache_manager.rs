@@ -2,8 +2,10 @@
 //! own scheduler. Requests are registered by id with their tokens; block hashes are computed in
 //! Rust, once per full block.
 
-use dflash_core::kv_manager::{AllocateArgs, RequestBlocks, SequenceView};
-use dflash_core::{BlockHash, BlockHasher, CoreError, ExtraKeys, KvCacheManager};
+use dflash_core::{
+    AllocateArgs, BlockHash, BlockHasher, CoreError, ExtraKeys, KvCacheManager, RequestBlocks,
+    SequenceView,
+};
 use hashbrown::HashMap;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;

@@ -3,8 +3,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use dflash_core::table_snapshot::TableSnapshot;
-use dflash_core::FinishReason;
+use dflash_core::{FinishReason, TableSnapshot};
 use numpy::ndarray::{ArrayView1, ArrayView2};
 use numpy::{PyArray1, PyArray2, PyUntypedArrayMethods};
 use pyo3::gc::PyVisit;
@@ -354,7 +353,7 @@ impl PySchedulerOutput {
             let end = start + n as usize;
             if n > 0 {
                 let tokens = self.parts.spec_tokens[start..end].iter().map(|&t| {
-                    if t == dflash_core::scheduler::PLACEHOLDER_TOKEN {
+                    if t == dflash_core::PLACEHOLDER_TOKEN {
                         -1
                     } else {
                         i64::from(t)

@@ -4,9 +4,10 @@
 
 use std::sync::{Arc, OnceLock, Weak};
 
-use dflash_core::kv_events::KvEvent;
-use dflash_core::table_snapshot::{SnapshotPool, TableSnapshot};
-use dflash_core::{CoreError, EntryKind, PauseState, Scheduler, StepOutput, UpdateOutput};
+use dflash_core::{
+    CoreError, EntryKind, KvEvent, PauseState, Scheduler, SnapshotPool, StepOutput, TableSnapshot,
+    UpdateOutput,
+};
 use hashbrown::HashMap;
 use numpy::PyArray1;
 use pyo3::gc::PyVisit;
@@ -440,7 +441,7 @@ impl State {
     }
 
     /// A live request by id.
-    fn live(&self, py: Python<'_>, request_id: &str) -> PyResult<&dflash_core::request::Request> {
+    fn live(&self, py: Python<'_>, request_id: &str) -> PyResult<&dflash_core::Request> {
         let slot = self
             .inner
             .slot_of(request_id)

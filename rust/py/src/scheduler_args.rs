@@ -1,10 +1,8 @@
 //! Reading the Python-side `SchedulerConfig` and `Request` objects into core types.
 
-use dflash_core::lookahead::{LookaheadPolicy, SpecMethod};
-use dflash_core::request::token_capacity;
 use dflash_core::{
-    BlockHash, ExtraKeys, FinishReason, HashAlgo, Policy, RequestSpec, SchedulerConfig,
-    VllmSemantics,
+    token_capacity, BlockHash, ExtraKeys, FinishReason, HashAlgo, LookaheadPolicy, Policy,
+    RequestSpec, SchedulerConfig, SpecMethod, VllmSemantics,
 };
 use pyo3::intern;
 use pyo3::prelude::*;

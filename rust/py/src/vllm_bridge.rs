@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};
 use pyo3::PyTraverseError;
 
-use dflash_core::scheduler::PLACEHOLDER_TOKEN;
+use dflash_core::PLACEHOLDER_TOKEN;
 
 use crate::convert::{push_exact_token_ids, token_ids};
 use crate::errors::{invalid, unless_fatal, IntoPyResult};

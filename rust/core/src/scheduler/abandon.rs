@@ -20,7 +20,7 @@
 //! abandoned with it. The output of an abandoned step is refused (`State`).
 
 use crate::error::{broken, CoreError, CoreResult};
-use crate::request::RequestStatus;
+use crate::requests::request::RequestStatus;
 
 use super::admission::priority_key;
 use super::in_flight::InFlightEntry;

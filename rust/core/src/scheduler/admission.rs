@@ -6,8 +6,8 @@ use crate::error::{invalid, CoreError, CoreResult};
 use crate::kv_manager::AllocateArgs;
 use crate::lookahead::AllocationKind;
 use crate::output::EntryKind;
-use crate::queue::PriorityKey;
-use crate::request::{Request, RequestSpec, RequestStatus};
+use crate::requests::queue::PriorityKey;
+use crate::requests::request::{Request, RequestSpec, RequestStatus};
 use crate::semantics::VllmSemantics;
 
 use super::budget::StepBudget;
@@ -144,7 +144,7 @@ impl Scheduler {
                 num_computed_tokens: computed_before_hits,
             });
             let r = self.store.get_mut(slot)?;
-            let seq = crate::kv_manager::SequenceView {
+            let seq = crate::requests::kv_view::SequenceView {
                 tokens: &r.tokens,
                 block_hashes: &r.block_hashes,
                 extra: &r.spec.extra,

@@ -1,7 +1,7 @@
 //! Installing the runner's draft tokens for the next step.
 
 use crate::error::{invalid, CoreResult};
-use crate::request::RequestStatus;
+use crate::requests::request::RequestStatus;
 
 use super::Scheduler;
 
@@ -72,7 +72,7 @@ impl Scheduler {
         let mut applied = 0;
         let mut start = 0;
         for (i, (&(slot, generation), &count)) in slots.iter().zip(counts).enumerate() {
-            if let Some(&(ahead, _)) = slots.get(i + crate::prefetch::RECORD_DISTANCE) {
+            if let Some(&(ahead, _)) = slots.get(i + crate::memory::prefetch::RECORD_DISTANCE) {
                 self.store.prefetch_for_drafts(ahead);
             }
             let end = start + count as usize;

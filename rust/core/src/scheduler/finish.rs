@@ -2,7 +2,7 @@
 
 use crate::error::CoreResult;
 use crate::output::EndedRequest;
-use crate::request::{FinishReason, RequestStatus};
+use crate::requests::request::{FinishReason, RequestStatus};
 
 use super::Scheduler;
 

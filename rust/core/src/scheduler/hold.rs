@@ -8,7 +8,7 @@
 //! ones vLLM would have checked (and, for a failed compilation, failed) in that step.
 
 use crate::error::{invalid, CoreError, CoreResult};
-use crate::request::RequestStatus;
+use crate::requests::request::RequestStatus;
 
 use super::Scheduler;
 

@@ -1,7 +1,7 @@
 //! The scheduler's invariant check, including the ownership contract.
 
 use crate::error::{broken, CoreResult};
-use crate::request::RequestStatus;
+use crate::requests::request::RequestStatus;
 
 use super::Scheduler;
 
@@ -203,7 +203,7 @@ impl Scheduler {
 mod tests {
     use crate::lookahead::SpecMethod;
     use crate::output::{StepOutput, UpdateOutput};
-    use crate::request::RequestSpec;
+    use crate::requests::request::RequestSpec;
     use crate::{Scheduler, SchedulerConfig};
 
     #[test]

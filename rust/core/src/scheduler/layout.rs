@@ -3,7 +3,7 @@
 
 use crate::error::{broken, CoreResult};
 use crate::output::{EntryKind, StepOutput};
-use crate::request::Request;
+use crate::requests::request::Request;
 
 use super::in_flight::{InFlightEntry, InFlightStep};
 use super::{Scheduler, PLACEHOLDER_TOKEN};

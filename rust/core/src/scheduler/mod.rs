@@ -56,16 +56,16 @@ use cadence::{PrefillCadence, StepPrefills};
 use in_flight::InFlightStep;
 use scratch::StepScratch;
 
-use crate::batch_rows::BatchRows;
-use crate::block_table::BlockTable;
+use crate::batch::batch_rows::BatchRows;
+use crate::batch::block_table::BlockTable;
 use crate::config::SchedulerConfig;
 use crate::error::CoreResult;
 use crate::hashing::BlockHasher;
 use crate::kv_manager::{KvCacheManager, PrefixCacheStats};
 use crate::lookahead::{lookahead_tokens, AllocationKind};
 use crate::output::{EndedRequest, StepOutput};
-use crate::queue::WaitingQueue;
-use crate::request_store::RequestStore;
+use crate::requests::queue::WaitingQueue;
+use crate::requests::request_store::RequestStore;
 
 /// A placeholder draft token (vLLM's `-1`): scheduled for a padded admission, never accepted,
 /// or (async scheduling) standing for a draft the runner proposes after this step is planned.
@@ -181,7 +181,7 @@ impl Scheduler {
     }
 
     /// Starts journaling the block table's changes, so a snapshot of any journaled version can
-    /// be made later ([`crate::table_snapshot`]); the caller trims the journal.
+    /// be made later (`batch::table_snapshot`); the caller trims the journal.
     pub fn enable_block_table_journal(&mut self) {
         self.rows.table_journal_mut().enable();
     }
@@ -358,7 +358,7 @@ impl Scheduler {
 
     /// Takes the KV-cache events recorded since the last call, oldest first (none unless
     /// [`SchedulerConfig::kv_events`] is on).
-    pub fn take_kv_events(&mut self) -> Vec<crate::kv_events::KvEvent> {
+    pub fn take_kv_events(&mut self) -> Vec<crate::pool::kv_events::KvEvent> {
         self.kv.take_kv_events()
     }
 }

@@ -6,8 +6,8 @@ use crate::error::{broken, CoreResult};
 use crate::kv_manager::AllocateArgs;
 use crate::lookahead::AllocationKind;
 use crate::output::{EntryKind, StepOutput};
-use crate::queue::Policy;
-use crate::request::RequestStatus;
+use crate::requests::queue::Policy;
+use crate::requests::request::RequestStatus;
 use crate::semantics::VllmSemantics;
 
 use super::admission::priority_key;
@@ -33,7 +33,8 @@ impl Scheduler {
         while index < self.running.len() && budget.can_schedule() {
             // Running order mostly follows row order: the row a few requests ahead is where a
             // new block of theirs will be written (a hint; a wrong row costs nothing).
-            self.rows.prefetch_append(index + crate::prefetch::DISTANCE);
+            self.rows
+                .prefetch_append(index + crate::memory::prefetch::DISTANCE);
             let slot = self.running[index];
             let r = self.store.get(slot)?;
             if r.in_flight_reaches_max_tokens() || (hold_prefills && r.is_prefill_chunk) {
@@ -69,7 +70,7 @@ impl Scheduler {
                     num_lookahead_tokens: lookahead,
                     ..Default::default()
                 };
-                let seq = crate::kv_manager::SequenceView {
+                let seq = crate::requests::kv_view::SequenceView {
                     tokens: &r.tokens,
                     block_hashes: &r.block_hashes,
                     extra: &r.spec.extra,

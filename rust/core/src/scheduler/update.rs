@@ -1,9 +1,9 @@
 //! Applying the model's output to the scheduler: rejected drafts, accepted tokens, stops.
 
 use crate::error::{broken, invalid, CoreError, CoreResult};
-use crate::kv_manager::SequenceView;
 use crate::output::{RequestUpdate, UpdateOutput};
-use crate::request::{FinishReason, RequestStatus};
+use crate::requests::kv_view::SequenceView;
+use crate::requests::request::{FinishReason, RequestStatus};
 use crate::semantics::VllmSemantics;
 
 use super::Scheduler;
@@ -104,7 +104,7 @@ impl Scheduler {
         to_cache.clear();
         let mut start = 0usize;
         for (i, (e, &count)) in step.entries.iter().zip(counts).enumerate() {
-            let ahead = i + crate::prefetch::DISTANCE;
+            let ahead = i + crate::memory::prefetch::DISTANCE;
             if let (Some(next), Some(&n)) = (step.entries.get(ahead), counts.get(ahead)) {
                 self.store
                     .prefetch_for_update(next.slot, n as usize, self.config.block_size);

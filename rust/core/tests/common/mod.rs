@@ -2,9 +2,7 @@
 //! so a helper one file does not use is not dead code there).
 #![allow(dead_code)]
 
-use dflash_core::lookahead::SpecMethod;
-use dflash_core::request::Request;
-use dflash_core::{RequestSpec, Scheduler, StepOutput, UpdateOutput};
+use dflash_core::{Request, RequestSpec, Scheduler, SpecMethod, StepOutput, UpdateOutput};
 use proptest::prelude::*;
 
 /// Submits `id` with a prompt of `prompt_len` tokens distinct from other requests' (EOS is 2;

@@ -28,10 +28,9 @@
 use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
 
-use dflash_core::free_queue::FreeQueue;
-use dflash_core::kv_manager::{AllocateArgs, PrefixCacheStats, RequestBlocks, SequenceView};
 use dflash_core::{
-    BlockHash, BlockHasher, CoreError, ExtraKeys, HashAlgo, KvCacheManager, NULL_BLOCK,
+    pool::FreeQueue, AllocateArgs, BlockHash, BlockHasher, CoreError, ExtraKeys, HashAlgo,
+    KvCacheManager, PrefixCacheStats, RequestBlocks, SequenceView, NULL_BLOCK,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;

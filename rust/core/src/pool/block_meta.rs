@@ -8,9 +8,14 @@
 //! one line, plus the prefix bucket (and the free queue's entry, read in order).
 
 use crate::hashing::BlockHash;
-use crate::provenance::Fingerprint;
+use crate::pool::provenance::Fingerprint;
 
-/// One block's metadata. The prefix map ([`crate::prefix_map`]) owns `hash`, `fingerprint`
+/// `chain_next`/`chain_prev` value at either end of a chain.
+pub(crate) const END: u32 = u32::MAX;
+/// `chain_next` value of a block that is not registered.
+pub(crate) const UNREGISTERED: u32 = u32::MAX - 1;
+
+/// One block's metadata. The prefix map ([`crate::pool::prefix_map`]) owns `hash`, `fingerprint`
 /// and the chain links; the block pool owns `ref_cnt`.
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(64))]
@@ -32,8 +37,8 @@ impl BlockMeta {
     pub(crate) const EMPTY: Self = Self {
         hash: [0; 32],
         fingerprint: 0,
-        chain_next: crate::prefix_map::UNREGISTERED,
-        chain_prev: crate::prefix_map::END,
+        chain_next: UNREGISTERED,
+        chain_prev: END,
         ref_cnt: 0,
     };
 }

@@ -4,9 +4,9 @@
 //! into its hole. Before a step is handed out, scheduled requests are partitioned to the front
 //! (stable), so rows `[0, num_scheduled)` are the batch in order.
 
-use crate::block_table::BlockTable;
+use crate::batch::block_table::BlockTable;
 use crate::error::{CoreError, CoreResult};
-use crate::request_store::RequestStore;
+use crate::requests::request_store::RequestStore;
 
 /// Row owners and the block table they index.
 #[derive(Debug, Clone)]
@@ -46,11 +46,6 @@ impl BatchRows {
     /// Occupied rows.
     pub fn len(&self) -> usize {
         self.owners.len()
-    }
-
-    /// Whether no row is occupied.
-    pub fn is_empty(&self) -> bool {
-        self.owners.is_empty()
     }
 
     /// Slot owning each occupied row, in row order.

@@ -8,7 +8,7 @@
 //! hundreds of thousands of blocks, whose metadata the engine's own work keeps evicting from
 //! the caches, so a step's cost is the cache lines it touches):
 //!
-//! - a block's hash, prefix fingerprint (see [`crate::provenance`]) and chain links live in its
+//! - a block's hash, prefix fingerprint (see [`super::provenance`]) and chain links live in its
 //!   one-line [`BlockMeta`], which the pool owns and passes in, next to its ref count;
 //! - a flat table of buckets, a power of two at least the pool's size, indexed by the hash's
 //!   first bytes. A bucket holds the first and last block of its chain (8 bytes), so finding a
@@ -20,15 +20,10 @@
 //! hash, so sharing costs a longer walk, never a wrong answer. With at most one registration
 //! per block and at least one bucket per block, chains average under two entries.
 
-use crate::block_meta::BlockMeta;
 use crate::error::{broken, try_filled_vec, CoreResult};
 use crate::hashing::BlockHash;
-use crate::provenance::Fingerprint;
-
-/// `chain_next`/`chain_prev` value at either end of a chain.
-pub(crate) const END: u32 = u32::MAX;
-/// `chain_next` value of a block that is not registered.
-pub(crate) const UNREGISTERED: u32 = u32::MAX - 1;
+use crate::pool::block_meta::{BlockMeta, END, UNREGISTERED};
+use crate::pool::provenance::Fingerprint;
 
 /// The bucket-index bits of a hash: its first 4 bytes.
 fn key_of(hash: &BlockHash) -> u32 {
@@ -94,7 +89,7 @@ impl PrefixMap {
     /// Prefetches what registering a block under `hash` touches besides its record: its bucket.
     pub fn prefetch_bucket(&self, hash: &BlockHash) {
         if let Some(bucket) = self.buckets.get(self.bucket_of(hash)) {
-            crate::prefetch::read(bucket);
+            crate::memory::prefetch::read(bucket);
         }
     }
 
@@ -103,7 +98,7 @@ impl PrefixMap {
     pub fn prefetch_chain_tail(&self, meta: &[BlockMeta], hash: &BlockHash) {
         if let Some(last) = self.buckets.get(self.bucket_of(hash)).map(|c| c.last) {
             if let Some(m) = meta.get(last as usize) {
-                crate::prefetch::read(m);
+                crate::memory::prefetch::read(m);
             }
         }
     }
@@ -117,7 +112,7 @@ impl PrefixMap {
         self.prefetch_bucket(&m.hash);
         for n in [m.chain_next, m.chain_prev] {
             if let Some(e) = meta.get(n as usize) {
-                crate::prefetch::read(e);
+                crate::memory::prefetch::read(e);
             }
         }
     }
@@ -176,6 +171,7 @@ impl PrefixMap {
     }
 
     /// Whether `block` is registered under `hash`.
+    #[cfg(test)]
     pub fn contains(&self, meta: &[BlockMeta], hash: &BlockHash, block: u32) -> bool {
         self.hash_of(meta, block) == Some(hash)
     }
@@ -230,6 +226,7 @@ impl PrefixMap {
     }
 
     /// Removes `block` from `hash`'s registrations; returns whether it was there.
+    #[cfg(test)]
     pub fn pop(&mut self, meta: &mut [BlockMeta], hash: &BlockHash, block: u32) -> bool {
         self.contains(meta, hash, block) && self.remove(meta, block).is_some()
     }

@@ -4,7 +4,7 @@
 use hashbrown::HashMap;
 
 use crate::error::{broken, CoreError, CoreResult};
-use crate::request::Request;
+use crate::requests::request::Request;
 
 /// `repr(C)`: the generation and row sit right before the request's hot first fields.
 #[derive(Debug, Clone, Default)]
@@ -123,11 +123,11 @@ impl RequestStore {
     pub fn prefetch_for_drafts(&self, slot: u32) {
         if let Some(s) = self.slots.get(slot as usize) {
             let start = (s as *const Slot).cast::<u8>();
-            crate::prefetch::read(start);
+            crate::memory::prefetch::read(start);
             let drafts =
                 std::mem::offset_of!(Slot, request) + std::mem::offset_of!(Request, spec_token_ids);
-            crate::prefetch::read(start.wrapping_add(drafts));
-            crate::prefetch::read(start.wrapping_add(drafts + 63));
+            crate::memory::prefetch::read(start.wrapping_add(drafts));
+            crate::memory::prefetch::read(start.wrapping_add(drafts + 63));
         }
     }
 
@@ -141,14 +141,14 @@ impl RequestStore {
             .get(slot as usize)
             .and_then(|s| s.request.as_ref())
         {
-            crate::prefetch::tail(&r.tokens);
+            crate::memory::prefetch::tail(&r.tokens);
             // A block ends at a multiple of `block_size` in (len - 1, len + num_sampled]: its
             // hash is appended when its last token is, and it is registered once the token
             // before that is computed (one step later at most).
             let filled = r.tokens.len() % block_size.max(1);
             if filled == 0 || filled + num_sampled >= block_size {
-                crate::prefetch::tail(&r.block_hashes);
-                crate::prefetch::tail(&r.blocks.block_ids);
+                crate::memory::prefetch::tail(&r.block_hashes);
+                crate::memory::prefetch::tail(&r.blocks.block_ids);
             }
         }
     }

@@ -3,16 +3,16 @@
 use smallvec::SmallVec;
 
 use crate::hashing::{BlockHash, BlockHasher, ExtraKeys};
+use crate::requests::kv_view::{RequestBlocks, SequenceView};
 
 /// Draft tokens a request keeps without a heap allocation (K up to 15 needs 15).
 pub const INLINE_DRAFTS: usize = 16;
-use crate::kv_manager::{RequestBlocks, SequenceView};
 
 /// At most this many output tokens are made room for when a request is submitted.
 pub const OUTPUT_RESERVE_TOKENS: usize = 8192;
 
 /// The token capacity a request is given at submission: its prompt plus the outputs it may
-/// produce, up to `max_model_len` and at most [`OUTPUT_RESERVE_TOKENS`] of them (past that,
+/// produce, up to `max_model_len` and at most `OUTPUT_RESERVE_TOKENS` of them (past that,
 /// the vector doubles as usual). Callers that build the prompt vector can size it with this,
 /// so that submission copies nothing.
 pub fn token_capacity(num_prompt_tokens: usize, max_tokens: usize, max_model_len: usize) -> usize {
@@ -127,7 +127,7 @@ impl StopRules {
 /// A request inside the scheduler.
 ///
 /// Fields are laid out in declaration order (`repr(C)`), hottest first, for the slot record
-/// that holds it ([`crate::request_store`]): line 0 holds the status and counters, line 1 the
+/// that holds it (`request_store`): line 0 holds the status and counters, line 1 the
 /// token and hash vectors and the length stops, line 2 the other stop rules and the block
 /// vector, line 3 the drafts. Applying a step's output reads lines 0-2 (and 3 when it
 /// registers a block); what only admission or the API reads comes last. A step touches every
@@ -162,7 +162,7 @@ pub struct Request {
     pub stop: StopRules,
     /// Blocks held.
     pub blocks: RequestBlocks,
-    /// Draft tokens proposed for the next step, inline up to [`INLINE_DRAFTS`] so a step reads
+    /// Draft tokens proposed for the next step, inline up to `INLINE_DRAFTS` so a step reads
     /// them from the request itself, not from one more heap line per request.
     pub spec_token_ids: SmallVec<[u32; INLINE_DRAFTS]>,
     /// What was submitted. Its `prompt_token_ids` moved into `tokens` (the prompt is kept

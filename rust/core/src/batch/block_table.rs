@@ -4,11 +4,11 @@
 //! Rows are updated incrementally (appends, row moves when a request leaves) and entries past a
 //! row's count always hold 0 (the null block), never a stale id of an earlier occupant. Every
 //! change bumps the table's version; with the journal on ([`BlockTable::enable_journal`]) it is
-//! also recorded with its redo and undo data ([`crate::table_journal`]), so a
-//! [`crate::table_snapshot`] copy can be moved to any journaled version.
+//! also recorded with its redo and undo data ([`crate::batch::table_journal`]), so a
+//! [`crate::batch::table_snapshot`] copy can be moved to any journaled version.
 
+use crate::batch::table_journal::{Op, TableJournal};
 use crate::error::{try_filled_vec, CoreError, CoreResult};
-use crate::table_journal::{Op, TableJournal};
 
 /// Row-major `[num_rows, width]` int32 table with per-row counts.
 #[derive(Debug, Clone)]
@@ -116,7 +116,7 @@ impl BlockTable {
     pub fn prefetch_append(&self, row: usize) {
         if let Some(&count) = self.counts.get(row) {
             if let Some(dst) = self.table.get(row * self.width + count as usize) {
-                crate::prefetch::read(dst);
+                crate::memory::prefetch::read(dst);
             }
         }
     }

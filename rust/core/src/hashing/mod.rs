@@ -6,10 +6,11 @@
 //! prompt given as embeddings, a digest of each block's embeddings, so tenants with different
 //! salts or adapters, and prompts with different embeddings, never share a block.
 
+mod sha256;
+
 use sha2::{Digest, Sha256};
 
 use crate::error::{invalid, CoreResult};
-use crate::sha256;
 
 /// Width of a block hash in bytes. SHA-256 and BLAKE3 fill all of it; XXH3-128 fills the first 16.
 pub const HASH_BYTES: usize = 32;

@@ -109,11 +109,6 @@ impl WaitingQueue {
         }
     }
 
-    /// Whether nothing waits.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Adds a newly arrived request.
     pub fn push_back(&mut self, handle: u32, key: PriorityKey) {
         match &mut self.0 {

@@ -137,7 +137,7 @@ impl Provenance {
     /// Prefetches the token copy of `block` (its first line; a block of 16 tokens is one line).
     pub fn prefetch(&self, block: u32) {
         if let Some(t) = self.tokens.get(block as usize * self.block_size) {
-            crate::prefetch::read(t);
+            crate::memory::prefetch::read(t);
         }
     }
 

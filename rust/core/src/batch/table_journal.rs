@@ -5,7 +5,7 @@
 //! row move or swap nothing, as a copy holds the row itself), so a copy of the table at any
 //! journaled version can be moved to any other journaled version without reading the live
 //! table: forward by redoing, backward by undoing. This lets a step's block table be frozen
-//! lazily ([`crate::table_snapshot`]): nothing is copied until someone reads it, however much
+//! lazily ([`super::table_snapshot`]): nothing is copied until someone reads it, however much
 //! the table changed meanwhile.
 //!
 //! The journal only grows; its owner trims it ([`TableJournal::trim`]) once no copy needs the
@@ -144,7 +144,7 @@ impl TableJournal {
     pub fn push(&mut self, row: u32, op: Op) {
         // The journal's tail line is seldom in cache (the table's other work evicts it between
         // steps): ask for the lines a few changes ahead so that appends do not wait for them.
-        crate::prefetch::read(self.changes.as_ptr().wrapping_add(self.changes.len() + 16));
+        crate::memory::prefetch::read(self.changes.as_ptr().wrapping_add(self.changes.len() + 16));
         self.changes.push(RowChange::new(row, op));
     }
 

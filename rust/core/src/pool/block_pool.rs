@@ -5,14 +5,14 @@
 //! A freed block keeps its hash and stays in the prefix map as an eviction candidate until it is
 //! popped for reuse (which evicts the hash) or adopted again through [`BlockPool::touch`].
 
-use crate::block_meta::BlockMeta;
 use crate::error::{broken, invalid, try_filled_vec, CoreError, CoreResult};
-use crate::free_queue::FreeQueue;
 use crate::hashing::BlockHash;
 use crate::hashing::ExtraKeys;
-use crate::kv_events::{KvEvent, KvEventLog};
-use crate::prefix_map::PrefixMap;
-use crate::provenance::{Fingerprint, Provenance};
+use crate::pool::block_meta::BlockMeta;
+use crate::pool::free_queue::FreeQueue;
+use crate::pool::kv_events::{KvEvent, KvEventLog};
+use crate::pool::prefix_map::PrefixMap;
+use crate::pool::provenance::{Fingerprint, Provenance};
 
 /// The reserved null block.
 pub const NULL_BLOCK: u32 = 0;
@@ -89,7 +89,7 @@ impl BlockPool {
 
     /// Turns verification of prefix-cache hits on (blocks of `block_size` tokens) or off. Only
     /// while nothing is cached; verification is what keeps a hash collision from sharing KV
-    /// across prefixes or tenants (see [`crate::provenance`]).
+    /// across prefixes or tenants (see `pool::provenance`).
     pub fn set_verify_hits(&mut self, block_size: Option<usize>) -> CoreResult<()> {
         if self.prefix.num_blocks() != 0 {
             return Err(invalid!(
@@ -225,7 +225,7 @@ impl BlockPool {
     }
 
     /// The fingerprint of a prefix ending with a block of `tokens` (see
-    /// [`crate::provenance`]), or None when hits are not verified.
+    /// `pool::provenance`), or None when hits are not verified.
     pub fn prefix_fingerprint(
         &self,
         parent: Option<Fingerprint>,
@@ -295,15 +295,18 @@ impl BlockPool {
         }
         // The next calls pop the blocks right behind these (a decode step pops one block for
         // each of hundreds of requests): ask for their records now, a few pops ahead.
-        for b in self.free.entries_ahead(crate::prefetch::POP_DISTANCE, n) {
-            crate::prefetch::read(&self.meta[b as usize]);
+        for b in self
+            .free
+            .entries_ahead(crate::memory::prefetch::POP_DISTANCE, n)
+        {
+            crate::memory::prefetch::read(&self.meta[b as usize]);
         }
         let popped = &out[start..];
         if popped.len() > 1 {
             // Evicting a reused block's hash reads its prefix entry, then its bucket and chain
             // neighbours: prefetched in two waves, so a prefill's blocks overlap their misses.
             for &b in popped {
-                crate::prefetch::read(&self.meta[b as usize]);
+                crate::memory::prefetch::read(&self.meta[b as usize]);
             }
             for &b in popped {
                 self.prefix.prefetch_remove(&self.meta, b);
@@ -419,7 +422,7 @@ impl BlockPool {
         for (&b, h) in blocks.iter().zip(hashes) {
             self.prefix.prefetch_bucket(h);
             if let Some(m) = self.meta.get(b as usize) {
-                crate::prefetch::read(m);
+                crate::memory::prefetch::read(m);
             }
             if let Some(prov) = &self.provenance {
                 prov.prefetch(b);

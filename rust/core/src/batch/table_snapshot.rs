@@ -12,9 +12,9 @@
 
 use std::sync::Arc;
 
-use crate::block_table::BlockTable;
+use crate::batch::block_table::BlockTable;
+use crate::batch::table_journal::{Op, TableJournal};
 use crate::error::{broken, try_zeroed_i32, CoreResult};
-use crate::table_journal::{Op, TableJournal};
 
 /// A copy of a [`BlockTable`]'s entries and row counts at one version.
 #[derive(Debug)]
@@ -94,7 +94,7 @@ impl TableSnapshot {
                 let next = journal.change(v + AHEAD);
                 if let Op::Write { at, .. } = next.op() {
                     let at = next.row() as usize * self.width + at as usize;
-                    crate::prefetch::read(self.table[at..].as_ptr());
+                    crate::memory::prefetch::read(self.table[at..].as_ptr());
                 }
             }
             let c = journal.change(v);

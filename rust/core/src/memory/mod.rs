@@ -1,0 +1,5 @@
+//! The memory layer: how the large tables are backed (transparent huge pages) and read ahead
+//! (software prefetch). No dependencies inside the crate.
+
+pub(crate) mod huge_pages;
+pub(crate) mod prefetch;
