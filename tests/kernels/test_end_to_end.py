@@ -37,6 +37,7 @@ from dflash_rs.kernels import (
     expand_from_output,
     kernel_inputs_from_output,
 )
+from support.arithmetic import cdiv
 
 BLOCK = 16
 MASK_TOKEN_ID = 3
@@ -52,10 +53,6 @@ FIELDS = (
     "token_indices_to_sample",
     "num_violations",
 )
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def make_scheduler(k: int, lookahead: str = "correct", **kwargs) -> Scheduler:

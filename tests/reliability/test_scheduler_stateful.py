@@ -51,7 +51,6 @@ from dflash_rs import (
 from scheduler.drivers import (
     Tracker,
     assert_scheduler_empty,
-    cdiv,
     check_block_table,
     check_step_arrays,
     ownership_violations,
@@ -59,6 +58,7 @@ from scheduler.drivers import (
     sampled_for,
 )
 from scheduler.test_scheduler_errors import snapshot
+from support.arithmetic import cdiv
 
 VOCAB = 50
 METHODS: Sequence[Optional[str]] = (None, "ngram", "eagle", "dflash")

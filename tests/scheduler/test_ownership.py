@@ -30,6 +30,7 @@ from dflash_rs import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from support.arithmetic import cdiv
 
 from .drivers import (
     ALL_METHODS,
@@ -37,7 +38,6 @@ from .drivers import (
     Tracker,
     apply_output,
     assert_scheduler_empty,
-    cdiv,
     check_block_table,
     check_step_arrays,
     make_scheduler,
