@@ -48,6 +48,7 @@ from dflash_rs import (
     SpeculativeConfig,
     UnknownRequestError,
 )
+from scheduler.bad_input import snapshot
 from scheduler.drivers import (
     Tracker,
     assert_scheduler_empty,
@@ -57,7 +58,6 @@ from scheduler.drivers import (
     required_lookahead,
     sampled_for,
 )
-from scheduler.test_scheduler_errors import snapshot
 from support.arithmetic import cdiv
 
 VOCAB = 50
