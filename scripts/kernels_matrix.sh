@@ -76,6 +76,7 @@ trap 'rm -rf "$run"' EXIT
 mkdir -p "$run/tests"
 sed 's/ --benchmark-disable//' pyproject.toml >"$run/pyproject.toml"
 cp tests/conftest.py "$run/tests/"
+cp -r tests/support "$run/tests/" # helpers the tests import (from support.arithmetic import ...)
 for t in "${KERNEL_TESTS[@]}"; do
     mkdir -p "$run/$(dirname "$t")"
     cp -r "$t" "$run/$t"

@@ -21,10 +21,8 @@ to preempt. Greedy decoding of the random-weight targets inside the grammar's bi
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import re
 from typing import Any
 
 import pytest
@@ -38,6 +36,7 @@ from engine_parity import Group, request
 from test_engine_parity import EAGLE, NGRAM, SMALL_POOL, Runs, schedule_difference, served
 
 from dflash_rs.vllm.offline import TOKENIZER_VOCAB, write_tokenizer
+from support.structured import satisfies
 
 pytestmark = pytest.mark.slow
 
@@ -192,20 +191,3 @@ def test_outputs_satisfy_grammar(runs: Runs, group: str, case: str) -> None:
         assert satisfies(kind, constraint, text), (kind, text)
         checked += 1
     assert checked >= 8
-
-
-def satisfies(kind: str, constraint: Any, text: str) -> bool:
-    if kind == "choice":
-        return text in constraint
-    if kind == "regex":
-        return re.fullmatch(constraint, text) is not None
-    value = json.loads(text)
-    props = constraint["properties"]
-    return (
-        isinstance(value, dict)
-        and set(value) == set(props)
-        and value["name"] in props["name"]["enum"]
-        and isinstance(value["ok"], bool)
-        and isinstance(value["n"], int)
-        and 0 <= value["n"] <= 99
-    )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from dflash_expand_oracle import POISON, assert_matches, oracle, random_case
+from dflash_expand_oracle import OUTPUT_FIELDS, POISON, assert_matches, oracle, random_case
 
 from dflash_rs.errors import InvalidArgumentError
 from dflash_rs.kernels import DFlashInputs, _grid, expand_dflash_inputs
@@ -138,15 +138,7 @@ def test_empty_requests_between_others(device, seeded_rng, patch_constants, conf
     )
     got = expand_dflash_inputs(*args, **keywords, backend="triton")
     want = expand_dflash_inputs(*args, **keywords, backend="reference")
-    for name in (
-        "input_ids",
-        "query_positions",
-        "query_slot_mapping",
-        "context_positions",
-        "context_slot_mapping",
-        "token_indices_to_sample",
-        "num_violations",
-    ):
+    for name in OUTPUT_FIELDS:
         assert torch.equal(getattr(got, name), getattr(want, name)), f"{name} (seed {seed})"
 
 

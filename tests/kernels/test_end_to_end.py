@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import pytest
 import torch
+from dflash_expand_oracle import OUTPUT_FIELDS
 
 from dflash_rs import ModelRunnerOutput, Request, Scheduler, SchedulerConfig, SpeculativeConfig
 from dflash_rs.kernels import (
@@ -37,25 +38,13 @@ from dflash_rs.kernels import (
     expand_from_output,
     kernel_inputs_from_output,
 )
+from support.arithmetic import cdiv
 
 BLOCK = 16
 MASK_TOKEN_ID = 3
 KS = (1, 3, 8, 15)
 PROMPT_LENS = tuple(range(1, 3 * BLOCK + 1))
 LEGACY_POLICIES = ("legacy-first-prefill", "legacy-k")
-FIELDS = (
-    "input_ids",
-    "query_positions",
-    "query_slot_mapping",
-    "context_positions",
-    "context_slot_mapping",
-    "token_indices_to_sample",
-    "num_violations",
-)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def make_scheduler(k: int, lookahead: str = "correct", **kwargs) -> Scheduler:
@@ -150,7 +139,7 @@ def check_step(
         ok = (block > 0) & (pos < max_len)
         return np.where(ok, block * bs + pos % bs, PAD_SLOT_ID)
 
-    got = {f: getattr(result, f).cpu().numpy().astype(np.int64) for f in FIELDS}
+    got = {f: getattr(result, f).cpu().numpy().astype(np.int64) for f in OUTPUT_FIELDS}
     assert got["context_positions"].tolist() == ctx_pos.tolist()
     assert got["query_positions"].tolist() == q_pos.tolist()
     ids_expected = np.where(np.tile(np.arange(k + 1), n) == 0, anchors[q_rows], MASK_TOKEN_ID)
@@ -186,7 +175,7 @@ def check_step(
 
 
 def assert_same(a: DFlashInputs, b: DFlashInputs, what: str) -> None:
-    for name in FIELDS:
+    for name in OUTPUT_FIELDS:
         x, y = getattr(a, name).cpu(), getattr(b, name).cpu()
         assert torch.equal(x, y), f"{what}: {name} differs: {x.tolist()} vs {y.tolist()}"
 

@@ -26,15 +26,12 @@ from dflash_rs.errors import (
     PromptTooLongError,
     UnknownRequestError,
 )
+from support.arithmetic import cdiv
 
 NULL_BLOCK = 0
 MAX_TOKEN_ID = 2**31 - 1
 
 Key = Tuple[Optional[str], Optional[str], Tuple[int, ...]]
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass

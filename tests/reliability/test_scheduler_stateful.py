@@ -48,17 +48,17 @@ from dflash_rs import (
     SpeculativeConfig,
     UnknownRequestError,
 )
+from scheduler.bad_input import snapshot
 from scheduler.drivers import (
     Tracker,
     assert_scheduler_empty,
-    cdiv,
     check_block_table,
     check_step_arrays,
     ownership_violations,
     required_lookahead,
     sampled_for,
 )
-from scheduler.test_scheduler_errors import snapshot
+from support.arithmetic import cdiv
 
 VOCAB = 50
 METHODS: Sequence[Optional[str]] = (None, "ngram", "eagle", "dflash")

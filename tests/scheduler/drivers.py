@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set
 import numpy as np
 
 from dflash_rs import ModelRunnerOutput, Request, Scheduler, SchedulerConfig, SpeculativeConfig
+from support.arithmetic import cdiv
 
 #: Slots past the scheduled tokens that each method's drafter writes in the same step, for K
 #: speculative tokens (DESIGN section 3; reference section 4.4).
@@ -37,10 +38,6 @@ LOOKAHEAD_METHODS: Sequence[str] = ("dflash", "eagle", "eagle3", "mtp", "draft_m
 def required_lookahead(method: Optional[str], k: int) -> int:
     """The lookahead the ownership contract requires (the correct table)."""
     return _LOOKAHEAD_PER_METHOD[method](k)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def make_scheduler(

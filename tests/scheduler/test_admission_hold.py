@@ -8,7 +8,7 @@ import pytest
 
 from dflash_rs import InvalidArgumentError, Request, Scheduler, SchedulerConfig, UnknownRequestError
 
-from .test_scheduler_errors import snapshot
+from .bad_input import snapshot
 
 
 def _scheduler() -> Scheduler:

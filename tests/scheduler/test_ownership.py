@@ -30,6 +30,7 @@ from dflash_rs import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from support.arithmetic import cdiv
 
 from .drivers import (
     ALL_METHODS,
@@ -37,7 +38,6 @@ from .drivers import (
     Tracker,
     apply_output,
     assert_scheduler_empty,
-    cdiv,
     check_block_table,
     check_step_arrays,
     make_scheduler,
@@ -404,11 +404,10 @@ def test_ownership_property(lookahead_policy: str) -> None:
 
 
 @pytest.mark.slow
-def test_ownership_property_slow(pytestconfig: pytest.Config) -> None:
-    """The correct-policy property with many more examples. Like tests/kv, it only runs when
-    the marker expression asks for it: ``pytest tests/scheduler -m slow`` (about a minute)."""
-    if "slow" not in (pytestconfig.option.markexpr or ""):
-        pytest.skip("slow: select with -m slow")
+def test_ownership_property_slow() -> None:
+    """The correct-policy property with many more examples. Like every slow test outside
+    tests/engine (tests/conftest.py), it only runs when the marker expression asks for it:
+    ``pytest tests/scheduler -m slow`` (about a minute)."""
 
     @_settings(2500)
     @given(wl=workloads())

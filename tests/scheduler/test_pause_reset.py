@@ -31,8 +31,8 @@ from dflash_rs import (
     _core,
 )
 
+from .bad_input import snapshot
 from .drivers import check_block_table, check_step_arrays, ownership_violations, required_lookahead
-from .test_scheduler_errors import snapshot
 
 BS = 16
 

@@ -26,12 +26,13 @@ separate generator, so traces without them are unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import os
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -47,6 +48,59 @@ def use_v1_runner(requested: bool) -> bool:
     from dflash_rs.vllm._compat import installed
 
     return requested or not installed().v2_runner_without_gpu
+
+
+@contextlib.contextmanager
+def model_runner_env(v1_runner: bool) -> Iterator[None]:
+    """``VLLM_USE_V2_MODEL_RUNNER`` set for the runner a trace uses (see ``use_v1_runner``)
+    while its configs and schedulers are built, then restored."""
+    saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if v1_runner else "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
+
+
+def runner_output(req_ids: list[str], sampled: list[list[int]], **fields: Any) -> Any:
+    """vLLM's ``ModelRunnerOutput`` of a batch in the runner's order ``req_ids``, with the
+    ``sampled`` tokens of each (``fields``: its other fields, e.g. ``prompt_logprobs_dict``)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        **fields,
+    )
+
+
+def scheduled_drafts(so: Any, rid: str) -> list[int]:
+    """The drafts step ``so`` scheduled for ``rid``, up to the first placeholder (``-1``: vLLM
+    pads admissions; a real sampler rejects them)."""
+    drafts = list(so.scheduled_spec_decode_tokens.get(rid, []))
+    return drafts[: drafts.index(-1)] if -1 in drafts else drafts
+
+
+def draft_token_ids(
+    sched: Any, so: Any, drafts_for: Callable[[str, Any], list[int]]
+) -> Optional[Any]:
+    """vLLM's ``DraftTokenIds`` after step ``so``: ``drafts_for(rid, request)`` for each of its
+    requests (in the step's order) that drafts, i.e. is in ``sched``, unfinished and past its
+    prefill; None when none does."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    ids, drafts = [], []
+    for rid in so.num_scheduled_tokens:
+        req = sched.requests.get(rid)
+        if req is None or req.is_finished() or req.is_prefill_chunk:
+            continue
+        ids.append(rid)
+        drafts.append(drafts_for(rid, req))
+    return DraftTokenIds(ids, drafts) if ids else None
 
 
 class Divergence(AssertionError):
@@ -300,16 +354,9 @@ class Lockstep:
         self.p = p
         self.offline = offline
         self.v1_runner = use_v1_runner(p.v1_runner)
-        saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if self.v1_runner else "1"
-        try:
+        with model_runner_env(self.v1_runner):
             cls = AsyncScheduler if p.async_scheduling else Scheduler
             self._build(offline, p, cls, DFlashRsScheduler)
-        finally:
-            if saved is None:
-                del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
-            else:
-                os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
         self.rng = np.random.default_rng(p.seed)
         self.order_rng = np.random.default_rng(p.seed + 10_000)  # keeps self.rng's draws
         self.event_rng = np.random.default_rng(p.seed + 20_000)  # resets and pauses
@@ -445,8 +492,6 @@ class Lockstep:
         return out
 
     def _runner_output(self, so: Any) -> Any:
-        from vllm.v1.outputs import ModelRunnerOutput
-
         rng, p = self.rng, self.p
         req_ids = list(so.num_scheduled_tokens)
         rng.shuffle(req_ids)  # the runner's batch order is its own
@@ -456,9 +501,7 @@ class Lockstep:
             if req.is_prefill_chunk:
                 sampled.append([])
                 continue
-            drafts = list(so.scheduled_spec_decode_tokens.get(rid, []))
-            if -1 in drafts:  # placeholders (vLLM pads admissions); a real sampler rejects them
-                drafts = drafts[: drafts.index(-1)]
+            drafts = scheduled_drafts(so, rid)
             accepted = drafts[: int(rng.integers(0, len(drafts) + 1))]
             position = req.num_output_tokens + len(accepted)
             params = req.sampling_params
@@ -467,27 +510,17 @@ class Lockstep:
                 choices = [EOS, *(params.stop_token_ids or [])]
                 bonus = int(choices[int(rng.integers(0, len(choices)))])
             sampled.append([*accepted, bonus])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            prompt_logprobs_dict=self._prompt_logprobs(req_ids),
-        )
+        return runner_output(req_ids, sampled, prompt_logprobs_dict=self._prompt_logprobs(req_ids))
 
     def _drafts(self, so: Any) -> Optional[Any]:
-        from vllm.v1.outputs import DraftTokenIds
-
         if not self.k:
             return None
-        ids, drafts = [], []
-        for rid in so.num_scheduled_tokens:
-            req = self.vllm.requests.get(rid)
-            if req is None or req.is_finished() or req.is_prefill_chunk:
-                continue
+
+        def drafts_for(rid: str, req: Any) -> list[int]:
             n = self.k if self.p.method != "ngram" else int(self.rng.integers(0, self.k + 1))
-            ids.append(rid)
-            drafts.append(self.rng.integers(FIRST_TOKEN, VOCAB, n).tolist())
-        return DraftTokenIds(ids, drafts) if ids else None
+            return self.rng.integers(FIRST_TOKEN, VOCAB, n).tolist()
+
+        return draft_token_ids(self.vllm, so, drafts_for)
 
     # ------------------------------------------------------------------ the loop
 
@@ -746,8 +779,6 @@ class Lockstep:
         """The runner's output for ``sv`` under async scheduling. Its drafts are the runner's
         own (the scheduler saw placeholders): it accepts any number of them, except an
         admission's padding; rewritten drafts are accepted up to the first invalid one."""
-        from vllm.v1.outputs import ModelRunnerOutput
-
         rng, p = self.rng, self.p
         req_ids = list(sv.num_scheduled_tokens)
         rng.shuffle(req_ids)
@@ -774,10 +805,9 @@ class Lockstep:
                     choices = [EOS, *(params.stop_token_ids or [])]
                     bonus = int(choices[int(rng.integers(0, len(choices)))])
             sampled.append([*accepted, bonus])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
+        return runner_output(
+            req_ids,
+            sampled,
             prompt_logprobs_dict=self._prompt_logprobs(
                 req_ids, {rid: plan[rid][0] for rid in req_ids}
             ),

@@ -24,7 +24,6 @@ outputs (tokens, finish reasons, errors), the request counts.
 from __future__ import annotations
 
 import copy
-import json
 import re
 from collections import deque
 from concurrent.futures import Future
@@ -32,7 +31,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
-from parity import Divergence, _norm_engine, compare_outputs
+from parity import (
+    Divergence,
+    _norm_engine,
+    compare_outputs,
+    draft_token_ids,
+    model_runner_env,
+    runner_output,
+    scheduled_drafts,
+    use_v1_runner,
+)
 
 EOS = 2
 FIRST_TOKEN = 3  # the byte tokens of the offline tokenizer start after <unk>, <s>, </s>
@@ -139,9 +147,6 @@ def allowed_tokens(row: np.ndarray) -> np.ndarray:
 
 class StructuredLockstep:
     def __init__(self, offline: Any, p: StructuredParams) -> None:
-        import os
-
-        from parity import use_v1_runner
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -151,10 +156,7 @@ class StructuredLockstep:
         self.p = p
         self.offline = offline
         self.packed_rows = installed().name == "0.32"  # 0.32 packs rows, 0.33 strides K + 1
-        v1 = use_v1_runner(p.v1_runner)
-        saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if v1 else "1"
-        try:
+        with model_runner_env(use_v1_runner(p.v1_runner)):
             from vllm.config import StructuredOutputsConfig
 
             cfg, kv = offline.configs(
@@ -173,11 +175,6 @@ class StructuredLockstep:
             cls = AsyncScheduler if p.async_scheduling else Scheduler
             self.vllm = offline.scheduler(cls, cfg, kv)
             self.ours = offline.scheduler(DFlashRsScheduler, cfg, kv)
-        finally:
-            if saved is None:
-                del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
-            else:
-                os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
         self.k = self.vllm.num_spec_tokens
         self.gates = (GatedExecutor(), GatedExecutor())
         self.vllm.structured_output_manager.executor = self.gates[0]
@@ -353,8 +350,6 @@ class StructuredLockstep:
         return bases
 
     def _runner_output(self, so: Any, gv: Any) -> Any:
-        from vllm.v1.outputs import ModelRunnerOutput
-
         rng = self.rng
         req_ids = list(so.num_scheduled_tokens)
         rng.shuffle(req_ids)
@@ -374,9 +369,7 @@ class StructuredLockstep:
             if req.is_prefill_chunk:
                 sampled.append([])
                 continue
-            drafts = list(spec.get(rid, []))
-            if -1 in drafts:
-                drafts = drafts[: drafts.index(-1)]
+            drafts = scheduled_drafts(so, rid)
             if rid in bases:
                 mask, base = gv.grammar_bitmask, bases[rid]
                 accepted = []
@@ -393,11 +386,7 @@ class StructuredLockstep:
                 if rng.random() < 0.04:
                     bonus = EOS
             sampled.append([*accepted, bonus])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
+        return runner_output(req_ids, sampled)
 
     def _grammar_drafts(self, rid: str, req: Any) -> list[int]:
         """K drafts walked through the request's grammar (vLLM's side: rolled back after),
@@ -428,21 +417,15 @@ class StructuredLockstep:
         return drafts
 
     def _drafts(self, so: Any) -> Optional[Any]:
-        from vllm.v1.outputs import DraftTokenIds
-
         if not self.k:
             return None
-        ids, drafts = [], []
-        for rid in so.num_scheduled_tokens:
-            req = self.vllm.requests.get(rid)
-            if req is None or req.is_finished() or req.is_prefill_chunk:
-                continue
-            ids.append(rid)
+
+        def drafts_for(rid: str, req: Any) -> list[int]:
             if req.use_structured_output:
-                drafts.append(self._grammar_drafts(rid, req))
-            else:
-                drafts.append(self.rng.integers(FIRST_TOKEN, self.vocab, self.k).tolist())
-        return DraftTokenIds(ids, drafts) if ids else None
+                return self._grammar_drafts(rid, req)
+            return self.rng.integers(FIRST_TOKEN, self.vocab, self.k).tolist()
+
+        return draft_token_ids(self.vllm, so, drafts_for)
 
     # ------------------------------------------------------------------ the loops
 
@@ -547,18 +530,6 @@ def _stats(outs: dict[int, Any]) -> Optional[tuple[int, int, int]]:
     return None
 
 
-def satisfies(tokenizer: Any, kind: str, constraint: Any, tokens: list[int]) -> bool:
-    """Whether a finished (stopped) output is a full match of its constraint."""
-    text = tokenizer.decode([t for t in tokens if t != EOS], skip_special_tokens=True)
-    if kind == "choice":
-        return text in constraint
-    if kind == "regex":
-        return re.fullmatch(constraint, text) is not None
-    value = json.loads(text)
-    props = constraint["properties"]
-    return (
-        isinstance(value, dict)
-        and set(value) == set(props)
-        and value["name"] in props["name"]["enum"]
-        and isinstance(value["ok"], bool)
-    )
+def completion_text(tokenizer: Any, tokens: list[int]) -> str:
+    """A finished output's text, without its EOS (what ``support.structured.satisfies`` checks)."""
+    return tokenizer.decode([t for t in tokens if t != EOS], skip_special_tokens=True)

@@ -12,7 +12,6 @@ and over ``DFlashRsScheduler`` and require the same schedules and outputs, step 
 from __future__ import annotations
 
 import hashlib
-import os
 import queue
 from collections import deque
 from concurrent.futures import Future
@@ -26,11 +25,19 @@ pytest.importorskip(
     reason="vLLM 0.33 is not installed here; run these tests with scripts/vllm_env.sh",
 )
 
-from parity import EOS, FIRST_TOKEN, TraceParams, compare_outputs, use_v1_runner
+from parity import (
+    EOS,
+    FIRST_TOKEN,
+    TraceParams,
+    compare_outputs,
+    model_runner_env,
+    runner_output,
+    use_v1_runner,
+)
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.engine.core import EngineCore
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
 from dflash_rs.vllm import DFlashRsScheduler
 from dflash_rs.vllm._compat import installed
@@ -82,13 +89,7 @@ class FakeExecutor:
         admitted = {r.req_id for r in so.scheduled_new_reqs}
         req_ids = sorted(so.num_scheduled_tokens)
         sampled = [self._sample(so, rid, computed[rid], rid in admitted) for rid in req_ids]
-        return _done(
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-            )
-        )
+        return _done(runner_output(req_ids, sampled))
 
     def _sample(self, so: Any, rid: str, computed: int, admitted: bool) -> list[int]:
         if computed + so.num_scheduled_tokens[rid] < self.prefill_len[rid]:
@@ -138,9 +139,7 @@ def _norm(outputs: Optional[dict[int, Any]]) -> Any:
 
 
 def _configs(offline: Any, method: str, num_blocks: int, **extra: Any) -> tuple[Any, Any]:
-    saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if use_v1_runner(False) else "1"
-    try:
+    with model_runner_env(use_v1_runner(False)):
         # EAGLE with vLLM's defaults (lookahead block hashes on 0.33, the last-block drop on 0.32).
         return offline.configs(
             num_blocks=num_blocks,
@@ -153,11 +152,6 @@ def _configs(offline: Any, method: str, num_blocks: int, **extra: Any) -> tuple[
             scheduler={"scheduler_cls": OURS, **extra.pop("scheduler", {})},
             **extra,
         )
-    finally:
-        if saved is None:
-            del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
-        else:
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
 
 
 def _arrive(offline: Any, rid: str, step: int, engines: Any) -> None:
