@@ -37,21 +37,14 @@ from dflash_rs.kernels import (
     expand_from_output,
     kernel_inputs_from_output,
 )
+from dflash_rs.kernels.result import LANE_BUFFERS
 
 BLOCK = 16
 MASK_TOKEN_ID = 3
 KS = (1, 3, 8, 15)
 PROMPT_LENS = tuple(range(1, 3 * BLOCK + 1))
 LEGACY_POLICIES = ("legacy-first-prefill", "legacy-k")
-FIELDS = (
-    "input_ids",
-    "query_positions",
-    "query_slot_mapping",
-    "context_positions",
-    "context_slot_mapping",
-    "token_indices_to_sample",
-    "num_violations",
-)
+FIELDS = (*LANE_BUFFERS, "num_violations")
 
 
 def cdiv(a: int, b: int) -> int:
