@@ -16,6 +16,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from dflash_rs._arith import cdiv
 from dflash_rs.errors import InvalidArgumentError
 from dflash_rs.kernels.result import DeviceLike
 
@@ -132,7 +133,7 @@ class DeviceBlockTable:
     ) -> DeviceBlockTable:
         """Sized for a ``SchedulerConfig``: ``max_num_seqs`` rows, ``cdiv(max_model_len,
         block_size)`` columns (the scheduler's table width)."""
-        width = -(-config.max_model_len // config.block_size)
+        width = cdiv(config.max_model_len, config.block_size)
         return cls(config.max_num_seqs, width, device, **kwargs)
 
     def update(self, output: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ from typing import Any, List
 import numpy as np
 
 from dflash_rs import Scheduler
+from dflash_rs._arith import cdiv
 from dflash_rs.errors import InvariantError
 from dflash_rs.soak.config import SoakConfig
 
@@ -42,7 +43,7 @@ class OwnershipCheck:
         counts = out.num_blocks_per_row.astype(np.int64)
         end_main = out.num_computed_tokens.astype(np.int64) + out.num_scheduled_tokens_array
         end = np.minimum(end_main + self.lookahead, self.max_model_len)
-        need = -(-end // self.block_size)
+        need = cdiv(end, self.block_size)
         cols = np.arange(table.shape[1])[None, :]
         owned = cols < counts[:, None]
         bad_count = counts < need
