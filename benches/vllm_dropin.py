@@ -244,7 +244,7 @@ def main(argv: list[str]) -> int:
     import vllm
 
     import dflash_rs
-    from dflash_rs.vllm.offline import OfflineVllm
+    from dflash_rs.bench.offline_vllm import OfflineVllm
 
     ns = [int(x) for x in a.n.split(",")]
     modes = a.modes.split(",")

@@ -15,7 +15,7 @@ import pytest
 from dflash_rs import cli, demo
 from dflash_rs.bench import cli as bench_cli
 from dflash_rs.sim import cli as simulate_cli
-from dflash_rs.sim import soak
+from dflash_rs.soak import cli as soak
 
 COMMAND_MODULES = {"simulate": simulate_cli, "demo": demo, "bench": bench_cli, "soak": soak}
 # Small sizes, so that a case the CLI wrongly accepts reaches the (refused) run quickly.

@@ -37,20 +37,14 @@ import triton.language as tl
 from dflash_rs.kernels import DFlashInputs, expand_dflash_inputs
 from dflash_rs.kernels._validate import ExpandArgs, prepare_expand_args
 from dflash_rs.kernels.dflash_expand import launch_expand_kernel
+from dflash_rs.kernels.result import LANE_BUFFERS
 
 NUM_SPEC = 8
 BLOCK = 16
 MAX_MODEL_LEN = 8192
 MASK_TOKEN_ID = 151_000
 TABLE_ROWS = 1024  # the persistent table; batches use a row slice, like vLLM
-OUTPUT_FIELDS = (
-    "input_ids",
-    "query_positions",
-    "query_slot_mapping",
-    "context_positions",
-    "context_slot_mapping",
-    "token_indices_to_sample",
-)
+OUTPUT_FIELDS = LANE_BUFFERS
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from dflash_rs import demo
 from dflash_rs._cli_types import HelpFormatter, check_or_exit
 from dflash_rs.bench import cli as bench
 from dflash_rs.sim import cli as simulate
-from dflash_rs.sim import soak
+from dflash_rs.soak import cli as soak
 
 #: Each subcommand's module: ``add_arguments(parser)``, ``check_args(args)``, ``run(args)``.
 COMMANDS: Dict[str, ModuleType] = {

@@ -1,7 +1,8 @@
 """Structured outputs through vLLM's real engine: vLLM's own scheduler vs ``DFlashRsScheduler``.
 
-The engines load the tiny byte-level tokenizer of ``dflash_rs.vllm.offline.write_tokenizer``
-(``skip_tokenizer_init=False``), saved beside each target's weights; prompts use its tokens.
+The engines load the tiny byte-level tokenizer of
+``dflash_rs.bench.offline_models.write_tokenizer`` (``skip_tokenizer_init=False``), saved beside
+each target's weights; prompts use its tokens.
 Requests constrained by a JSON schema, a regex or a list of choices, mixed with plain ones,
 with xgrammar and guidance (the backends vLLM's CPU build ships), without speculation and with
 n-gram and EAGLE drafts (which the grammar cuts: ``validate_tokens``), in a pool small enough
@@ -35,7 +36,7 @@ pytest.importorskip(
 from engine_parity import Group, request
 from test_engine_parity import EAGLE, NGRAM, SMALL_POOL, Runs, schedule_difference, served
 
-from dflash_rs.vllm.offline import TOKENIZER_VOCAB, write_tokenizer
+from dflash_rs.bench.offline_models import TOKENIZER_VOCAB, write_tokenizer
 from support.structured import satisfies
 
 pytestmark = pytest.mark.slow

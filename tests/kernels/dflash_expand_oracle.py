@@ -17,16 +17,9 @@ import numpy as np
 import torch
 
 from dflash_rs.kernels import DFlashInputs
+from dflash_rs.kernels.result import LANE_BUFFERS
 
-OUTPUT_FIELDS = (
-    "input_ids",
-    "query_positions",
-    "query_slot_mapping",
-    "context_positions",
-    "context_slot_mapping",
-    "token_indices_to_sample",
-    "num_violations",
-)
+OUTPUT_FIELDS = (*LANE_BUFFERS, "num_violations")
 SEED_ENV = "DFLASH_KERNEL_TEST_SEED"
 POISON = -7777
 

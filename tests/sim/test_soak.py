@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from dflash_rs import Request, Scheduler, cli
-from dflash_rs.sim.soak import (
+from dflash_rs.soak import (
+    OwnershipCheck,
     SoakConfig,
     SoakReport,
-    _OwnershipCheck,
     required_lookahead,
     rss_bytes,
     run_soak,
@@ -121,7 +121,7 @@ def test_cheap_ownership_check_flags_corrupted_tables() -> None:
     sched.add_request(Request("a", list(range(10)), 8))
     sched.add_request(Request("b", list(range(100, 106)), 8))
     out = sched.schedule()
-    check = _OwnershipCheck(config, required_lookahead("dflash", config.k))
+    check = OwnershipCheck(config, required_lookahead("dflash", config.k))
     assert check.cheap(out, 2) == []
     assert check.full(sched, out, list(out.req_ids)) == []
 

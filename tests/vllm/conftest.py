@@ -17,7 +17,7 @@ import pytest
 @pytest.fixture(scope="session")
 def offline() -> Iterator[Any]:
     """Factory of offline vLLM configs and requests (tiny config.json-only models)."""
-    from dflash_rs.vllm.offline import OfflineVllm
+    from dflash_rs.bench.offline_vllm import OfflineVllm
 
     with tempfile.TemporaryDirectory(prefix="dflash-rs-vllm-") as root:
         yield OfflineVllm(root)

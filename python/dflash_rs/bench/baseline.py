@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from dflash_rs.bench.stats import _f, median
+from dflash_rs.bench.stats import _f, markdown_table, median
 from dflash_rs.bench.workload import prompt_hashes
 
 # The spec-file parameters the driver needs (names of the bench's argparse destinations).
@@ -152,10 +152,4 @@ def fmt_compare(rows: List[Dict[str, Any]]) -> str:
                 _f(r[f"{phase}_ratio"]) + "x",
             ]
         table.append(cells)
-    widths = [max(len(r[i]) for r in table) for i in range(len(hdr))]
-    lines = []
-    for j, r in enumerate(table):
-        lines.append("| " + " | ".join(c.rjust(widths[i]) for i, c in enumerate(r)) + " |")
-        if j == 0:
-            lines.append("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
-    return "\n".join(lines)
+    return markdown_table(table)

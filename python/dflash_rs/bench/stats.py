@@ -1,5 +1,5 @@
 """Statistics and reporting of the scheduler benchmark: percentiles, medians over reps, the
-per-config table, machine and version information."""
+per-config table (``markdown_table``), machine and version information."""
 
 from __future__ import annotations
 
@@ -84,6 +84,18 @@ def _f(x, nd=1):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{nd}f}"
 
 
+def markdown_table(table):
+    """A markdown table of ``table`` (rows of strings, the header first), cells right-aligned
+    and padded to their column's width."""
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = []
+    for j, r in enumerate(table):
+        lines.append("| " + " | ".join(c.rjust(widths[i]) for i, c in enumerate(r)) + " |")
+        if j == 0:
+            lines.append("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    return "\n".join(lines)
+
+
 def fmt_table(rows):
     hdr = [
         "mode",
@@ -131,13 +143,7 @@ def fmt_table(rows):
                 _f(agg["measured_steps"], 0),
             ]
         )
-    widths = [max(len(r[i]) for r in table) for i in range(len(hdr))]
-    lines = []
-    for j, r in enumerate(table):
-        lines.append("| " + " | ".join(c.rjust(widths[i]) for i, c in enumerate(r)) + " |")
-        if j == 0:
-            lines.append("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
-    return "\n".join(lines)
+    return markdown_table(table)
 
 
 def parse_list(s, typ=str):

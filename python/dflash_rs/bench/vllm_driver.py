@@ -2,9 +2,10 @@
 """Replay a ``dflash-rs bench`` workload on vLLM's V1 ``Scheduler``, offline, and print JSON.
 
 Runs in another interpreter (a venv with vLLM installed; written against vLLM 0.33), so it
-imports only the standard library, numpy and vLLM, never dflash_rs. ``dflash-rs bench
---baseline-python PY`` writes a spec file and runs ``PY vllm_driver.py SPEC``; the result JSON
-goes to stdout (everything vLLM prints goes to stderr).
+imports only the standard library, numpy, vLLM and its stdlib-only sibling file
+``offline_models.py``, never dflash_rs. ``dflash-rs bench --baseline-python PY`` writes a spec
+file and runs ``PY vllm_driver.py SPEC``; the result JSON goes to stdout (everything vLLM
+prints goes to stderr).
 
 The spec file holds the workload parameters and a list of configs (mode, method, N, seed, block
 fraction). Prompts, max_tokens, bonus tokens, acceptance counts and drafts come from numpy
@@ -12,11 +13,12 @@ generators seeded exactly as on the dflash-rs side, drawn per position of vLLM's
 schedulers replay the same trace. The first prompts of every seed are hashed (sha256 of the
 int64 tokens) so the caller can check that both sides generated identical prompts.
 
-vLLM is built as in its unit tests: config.json-only model directories in a temp dir (a tiny
-Llama target; DFlash and EAGLE drafts), a CPU ``DeviceConfig`` (no GPU platform needed), a
-``KVCacheConfig`` of one full-attention group with the requested number of blocks, and the
-request block hasher that EngineCore uses. Timed per step with the spec's clock: ``schedule``
-(+ ``get_grammar_bitmask``), ``update_from_output`` and ``update_draft_token_ids``.
+vLLM is built as in its unit tests: the config.json-only model directories of
+``offline_models.py`` in a temp dir (a tiny Llama target; DFlash and EAGLE drafts), a CPU
+``DeviceConfig`` (no GPU platform needed), a ``KVCacheConfig`` of one full-attention group with
+the requested number of blocks, and the request block hasher that EngineCore uses. Timed per
+step with the spec's clock: ``schedule`` (+ ``get_grammar_bitmask``), ``update_from_output``
+and ``update_draft_token_ids``.
 """
 
 from __future__ import annotations
@@ -48,48 +50,15 @@ warnings.simplefilter("ignore")
 
 import numpy as np  # noqa: E402
 
-VOCAB = 32000
+if __package__:  # imported as dflash_rs.bench.vllm_driver
+    from .offline_models import VOCAB, write_model_dirs
+else:  # run as a script (the usual way): the sibling file, found beside this one
+    from offline_models import VOCAB, write_model_dirs
+
 FIRST = 3
 PHASES = ("schedule", "grammar", "update", "drafts", "admit", "total")
-DRAFT_ARCH = {
-    "eagle": {"num_hidden_layers": 1},
-    "dflash": {
-        "num_hidden_layers": 1,
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "head_dim": 16,
-        "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": VOCAB - 1},
-    },
-}
-
-
-def model_dirs(root):
-    """config.json-only checkpoints: the target and the draft models vLLM needs configs of."""
-    target = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "torch_dtype": "float16",
-        "tie_word_embeddings": False,
-    }
-    dirs = {}
-    for name, extra in (("target", {}), *DRAFT_ARCH.items()):
-        path = os.path.join(root, name)
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump({**target, **extra}, f)
-        dirs[name] = path
-    return dirs
+#: The draft models the driver replays (``offline_models.DRAFTS`` holds their configs).
+DRAFTS = ("eagle", "dflash")
 
 
 class Vllm:
@@ -112,7 +81,7 @@ class Vllm:
 
         self.import_s = time.perf_counter() - t0
         self.p = p
-        self.dirs = model_dirs(root)
+        self.dirs = write_model_dirs(root, DRAFTS)
         self.torch, self.vllm, self.vc = torch, vllm, vc
         self.SamplingParams, self.Request = SamplingParams, Request
         self.freeze_gc_heap = freeze_gc_heap

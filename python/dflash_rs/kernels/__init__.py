@@ -8,17 +8,15 @@ imported only when the kernel runs, so this package imports without it.
 from __future__ import annotations
 
 from dflash_rs.kernels.api import expand_dflash_inputs, triton_available
-from dflash_rs.kernels.glue import (
-    BlockTableCopyStats,
-    DeviceBlockTable,
+from dflash_rs.kernels.block_table import BlockTableCopyStats, DeviceBlockTable, shared_tensor
+from dflash_rs.kernels.reference import expand_dflash_inputs_reference
+from dflash_rs.kernels.result import PAD_POSITION, PAD_SLOT_ID, PAD_TOKEN_ID, DFlashInputs
+from dflash_rs.kernels.step_inputs import (
     KernelInputs,
     context_positions,
     expand_from_output,
     kernel_inputs_from_output,
-    shared_tensor,
 )
-from dflash_rs.kernels.reference import expand_dflash_inputs_reference
-from dflash_rs.kernels.result import PAD_POSITION, PAD_SLOT_ID, PAD_TOKEN_ID, DFlashInputs
 
 __all__ = [
     "PAD_POSITION",

@@ -15,7 +15,7 @@ import torch
 
 from dflash_rs.errors import InvalidArgumentError
 from dflash_rs.kernels._grid import num_programs
-from dflash_rs.kernels.result import DFlashInputs
+from dflash_rs.kernels.result import BUFFER_DTYPES, DFlashInputs
 
 __all__ = ["ExpandArgs", "check_values", "prepare_expand_args"]
 
@@ -111,16 +111,7 @@ def _check_out(out: Any, num_reqs: int, num_ctx: int, num_spec: int, device: tor
             f"out was allocated for num_speculative_tokens={out.num_speculative_tokens}, "
             f"got {num_spec}"
         )
-    specs = {
-        "input_ids": torch.int32,
-        "query_positions": torch.int64,
-        "query_slot_mapping": torch.int64,
-        "context_positions": torch.int64,
-        "context_slot_mapping": torch.int64,
-        "token_indices_to_sample": torch.int32,
-        "violation_partials": torch.int32,
-    }
-    for field, dtype in specs.items():
+    for field, dtype in BUFFER_DTYPES.items():
         _check_tensor(f"out.{field}", getattr(out, field), dtype, 1, device)
     query_lanes = out.input_ids.numel()
     num_query = num_spec + 1

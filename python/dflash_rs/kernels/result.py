@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
-from typing import Union
+from typing import Dict, Tuple, Union, cast
 
 import torch
 
 from dflash_rs.kernels._grid import num_programs
 
-__all__ = ["PAD_POSITION", "PAD_SLOT_ID", "PAD_TOKEN_ID", "DFlashInputs"]
+__all__ = [
+    "BUFFER_DTYPES",
+    "BUFFER_NAMES",
+    "LANE_BUFFERS",
+    "PAD_POSITION",
+    "PAD_SLOT_ID",
+    "PAD_TOKEN_ID",
+    "DFlashInputs",
+    "buffer_tensors",
+]
 
 PAD_SLOT_ID = -1
 """Slot written for lanes that must not store KV: padding, and strict-mode violations."""
@@ -20,6 +30,16 @@ PAD_TOKEN_ID = 0
 """Input id written for padding query lanes."""
 
 DeviceLike = Union[torch.device, str, int]
+
+#: Field metadata of a buffer of ``DFlashInputs``: its dtype, and for a per-lane buffer what its
+#: lanes are (``_QUERY``: K+1 per request, ``_CONTEXT``: one per context token, ``_SAMPLE``: K
+#: per request).
+_DTYPE, _LANES = "dtype", "lanes"
+_QUERY, _CONTEXT, _SAMPLE = "query", "context", "sample"
+
+
+def _lane_buffer(kind: str, dtype: torch.dtype) -> dict:
+    return {_DTYPE: dtype, _LANES: kind}
 
 
 @dataclass(frozen=True)
@@ -35,17 +55,31 @@ class DFlashInputs:
     from their own (padding) lanes.
     """
 
-    input_ids: torch.Tensor  # int32 [cap_reqs * (K + 1)]
-    query_positions: torch.Tensor  # int64 [cap_reqs * (K + 1)]
-    query_slot_mapping: torch.Tensor  # int64 [cap_reqs * (K + 1)]
-    context_positions: torch.Tensor  # int64 [cap_ctx]
-    context_slot_mapping: torch.Tensor  # int64 [cap_ctx]
-    token_indices_to_sample: torch.Tensor  # int32 [cap_reqs * K]
+    # int32 [cap_reqs * (K + 1)]
+    input_ids: torch.Tensor = dataclasses.field(metadata=_lane_buffer(_QUERY, torch.int32))
+    # int64 [cap_reqs * (K + 1)]
+    query_positions: torch.Tensor = dataclasses.field(metadata=_lane_buffer(_QUERY, torch.int64))
+    # int64 [cap_reqs * (K + 1)]
+    query_slot_mapping: torch.Tensor = dataclasses.field(metadata=_lane_buffer(_QUERY, torch.int64))
+    # int64 [cap_ctx]
+    context_positions: torch.Tensor = dataclasses.field(
+        metadata=_lane_buffer(_CONTEXT, torch.int64)
+    )
+    # int64 [cap_ctx]
+    context_slot_mapping: torch.Tensor = dataclasses.field(
+        metadata=_lane_buffer(_CONTEXT, torch.int64)
+    )
+    # int32 [cap_reqs * K]
+    token_indices_to_sample: torch.Tensor = dataclasses.field(
+        metadata=_lane_buffer(_SAMPLE, torch.int32)
+    )
     num_speculative_tokens: int
     # int32 [>= programs of a launch]: program p writes its count of strict-mode violations to
     # slot p (0 in default mode; a launch also zeroes any slot past its grid), so a launch or a
     # CUDA-graph replay needs no memset and no atomics. ``num_violations`` sums it.
-    violation_partials: torch.Tensor = dataclasses.field(repr=False, compare=False)
+    violation_partials: torch.Tensor = dataclasses.field(
+        repr=False, compare=False, metadata={_DTYPE: torch.int32}
+    )
     # Launch plans of eager calls into these buffers, keyed by everything the argument checks and
     # the kernel's specialisation read (see kernels/_launch_cache.py). Not copied by ``narrow``
     # or ``dataclasses.replace``: a new buffer set starts with none.
@@ -65,19 +99,14 @@ class DFlashInputs:
 
         Contents are uninitialised except the per-program violation counts (zeros).
         """
-        num_query = max_num_reqs * (num_speculative_tokens + 1)
-        num_slots = num_programs(num_query, max_num_ctx)
-
-        def alloc(n: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(n, dtype=dtype, device=device)
-
+        lanes = _lane_counts(max_num_reqs, max_num_ctx, num_speculative_tokens)
+        num_slots = num_programs(lanes[_QUERY], max_num_ctx)
+        buffers = {
+            f.name: torch.empty(lanes[f.metadata[_LANES]], dtype=f.metadata[_DTYPE], device=device)
+            for f in _LANE_FIELDS
+        }
         return cls(
-            input_ids=alloc(num_query, torch.int32),
-            query_positions=alloc(num_query, torch.int64),
-            query_slot_mapping=alloc(num_query, torch.int64),
-            context_positions=alloc(max_num_ctx, torch.int64),
-            context_slot_mapping=alloc(max_num_ctx, torch.int64),
-            token_indices_to_sample=alloc(max_num_reqs * num_speculative_tokens, torch.int32),
+            **buffers,
             num_speculative_tokens=num_speculative_tokens,
             violation_partials=torch.zeros(num_slots, dtype=torch.int32, device=device),
         )
@@ -110,15 +139,35 @@ class DFlashInputs:
 
     def narrow(self, num_reqs: int, num_ctx: int) -> DFlashInputs:
         """Views of the first ``num_reqs`` requests' query lanes and ``num_ctx`` context lanes."""
-        num_query = num_reqs * (self.num_speculative_tokens + 1)
-        return dataclasses.replace(
-            self,
-            input_ids=self.input_ids[:num_query],
-            query_positions=self.query_positions[:num_query],
-            query_slot_mapping=self.query_slot_mapping[:num_query],
-            context_positions=self.context_positions[:num_ctx],
-            context_slot_mapping=self.context_slot_mapping[:num_ctx],
-            token_indices_to_sample=self.token_indices_to_sample[
-                : num_reqs * self.num_speculative_tokens
-            ],
-        )
+        lanes = _lane_counts(num_reqs, num_ctx, self.num_speculative_tokens)
+        views = {f.name: getattr(self, f.name)[: lanes[f.metadata[_LANES]]] for f in _LANE_FIELDS}
+        return dataclasses.replace(self, **views)
+
+
+def _lane_counts(num_reqs: int, num_ctx: int, num_speculative_tokens: int) -> Dict[str, int]:
+    """Lanes of each kind of per-lane buffer for ``num_reqs`` requests and ``num_ctx`` context
+    tokens."""
+    return {
+        _QUERY: num_reqs * (num_speculative_tokens + 1),
+        _CONTEXT: num_ctx,
+        _SAMPLE: num_reqs * num_speculative_tokens,
+    }
+
+
+_BUFFER_FIELDS = tuple(f for f in dataclasses.fields(DFlashInputs) if _DTYPE in f.metadata)
+_LANE_FIELDS = tuple(f for f in _BUFFER_FIELDS if _LANES in f.metadata)
+
+BUFFER_NAMES: Tuple[str, ...] = tuple(f.name for f in _BUFFER_FIELDS)
+"""The tensor fields of ``DFlashInputs``, in the kernel's argument order: the per-lane outputs,
+then ``violation_partials``."""
+LANE_BUFFERS: Tuple[str, ...] = tuple(f.name for f in _LANE_FIELDS)
+"""The per-lane output buffers (query, context and sampling lanes)."""
+BUFFER_DTYPES: Dict[str, torch.dtype] = {f.name: f.metadata[_DTYPE] for f in _BUFFER_FIELDS}
+"""Each buffer's dtype."""
+
+_get_buffers = operator.attrgetter(*BUFFER_NAMES)
+
+
+def buffer_tensors(inputs: DFlashInputs) -> Tuple[torch.Tensor, ...]:
+    """``inputs``' buffers in ``BUFFER_NAMES`` order."""
+    return cast(Tuple[torch.Tensor, ...], _get_buffers(inputs))

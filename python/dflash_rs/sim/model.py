@@ -92,15 +92,9 @@ def _table_violations(batch: StepBatch, rows: np.ndarray, positions: np.ndarray)
 
 
 def _numpy(result: object) -> dict:
-    fields = (
-        "input_ids",
-        "query_positions",
-        "query_slot_mapping",
-        "context_positions",
-        "context_slot_mapping",
-        "token_indices_to_sample",
-    )
-    return {f: getattr(result, f).cpu().numpy().astype(np.int64) for f in fields}
+    from dflash_rs.kernels.result import LANE_BUFFERS
+
+    return {f: getattr(result, f).cpu().numpy().astype(np.int64) for f in LANE_BUFFERS}
 
 
 class StandInModel:

@@ -1,109 +1,24 @@
 """Build vLLM's scheduler inputs offline: no GPU, no weights, no hub access.
 
 For tests, benchmarks and trying the drop-in by hand. Mirrors how vLLM's own unit tests build a
-scheduler (``tests/v1/core/utils.py``) and ``dflash_rs.bench.vllm_driver``: config.json-only
-model directories (a tiny Llama target; EAGLE and DFlash drafts), a CPU ``DeviceConfig``, and a
-``KVCacheConfig`` of one full-attention group with the requested number of blocks (null block
+scheduler (``tests/v1/core/utils.py``): the config.json-only model directories of
+``offline_models`` (a tiny Llama target; EAGLE and DFlash drafts), a CPU ``DeviceConfig``, and
+a ``KVCacheConfig`` of one full-attention group with the requested number of blocks (null block
 included). Requests are built with the block hasher EngineCore uses. Structured outputs need a
-tokenizer: ``write_tokenizer`` saves a tiny byte-level one beside the target's config.json
-(``configs(tokenizer=True)`` loads it).
+tokenizer: ``configs(tokenizer=True)`` loads ``offline_models.write_tokenizer``'s, saved beside
+the target's config.json.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from dflash_rs.bench.offline_models import write_model_dirs, write_tokenizer
 from dflash_rs.vllm._compat import installed
 
-__all__ = [
-    "TOKENIZER_VOCAB",
-    "VOCAB",
-    "OfflineVllm",
-    "write_model_dirs",
-    "write_tokenizer",
-]
-
-VOCAB = 32000
-
-_TARGET: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "float16",
-    "tie_word_embeddings": False,
-}
-_DRAFTS: dict[str, dict[str, Any]] = {
-    "eagle": {"num_hidden_layers": 1},
-    "eagle3": {"num_hidden_layers": 1},
-    "dflash": {
-        "num_hidden_layers": 1,
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "head_dim": 16,
-        "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": VOCAB - 1},
-    },
-}
-
-
-#: The special tokens of ``write_tokenizer``'s tokenizer, at the target config's ids.
-_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
-#: Its vocabulary: the special tokens, then one token per byte (no merges).
-TOKENIZER_VOCAB = len(_SPECIAL_TOKENS) + 256
-
-
-def write_model_dirs(root: str) -> dict[str, str]:
-    """Writes config.json-only checkpoints under ``root``: ``target`` and one per draft."""
-    dirs = {}
-    for name, extra in (("target", {}), *_DRAFTS.items()):
-        path = os.path.join(root, name)
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump({**_TARGET, **extra}, f)
-        dirs[name] = path
-    return dirs
-
-
-def write_tokenizer(path: str) -> None:
-    """Saves a tiny byte-level BPE tokenizer (``tokenizers``) in the model directory ``path``:
-    ``tokenizer.json`` and ``tokenizer_config.json``. Ids 0-2 are ``<unk>``, ``<s>`` and
-    ``</s>`` (the target's BOS 1 and EOS 2), then one token per byte, with no merges: every
-    string encodes, deterministically, within the model's vocabulary (``TOKENIZER_VOCAB``
-    tokens, ``VOCAB`` above it)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {tok: i for i, tok in enumerate(_SPECIAL_TOKENS)}
-    for ch in sorted(alphabet):
-        vocab[ch] = len(vocab)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(list(_SPECIAL_TOKENS))
-    os.makedirs(path, exist_ok=True)
-    tokenizer.save(os.path.join(path, "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "add_bos_token": False,
-        "model_max_length": _TARGET["max_position_embeddings"],
-    }
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f)
+__all__ = ["OfflineVllm"]
 
 
 @dataclass
