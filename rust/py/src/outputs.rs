@@ -1,6 +1,8 @@
 //! Python views of one step: `SchedulerOutput` (with zero-copy block-table arrays and lazily
-//! built dicts), `NewRequestData`, `CachedRequestData`, `RequestOutput` and `UpdateResult`.
+//! built dicts) and the `OutputArg` that takes one back, `NewRequestData`,
+//! `CachedRequestData`, `RequestOutput` and `UpdateResult`.
 
+use std::ops::Deref;
 use std::sync::{Arc, OnceLock};
 
 use dflash_core::{FinishReason, TableSnapshot};
@@ -12,6 +14,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyFrozenSet, PyList, PySet, PyString, PyTuple};
 use pyo3::PyTraverseError;
+
+use crate::errors::{type_name, wrong_type};
 
 /// `array`, made read-only as `setflags(write=False)` makes it, without a Python call.
 pub fn read_only<'py, A>(array: Bound<'py, A>) -> Bound<'py, A>
@@ -423,6 +427,34 @@ impl PySchedulerOutput {
             self.finished_req_ids.bind(py).len(),
             self.preempted_req_ids.bind(py).len()
         )
+    }
+}
+
+/// A `SchedulerOutput` argument.
+pub(crate) struct OutputArg<'a, 'py>(Borrowed<'a, 'py, PySchedulerOutput>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for OutputArg<'a, 'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.cast::<PySchedulerOutput>() {
+            Ok(output) => Ok(OutputArg(output)),
+            Err(_) => Err(wrong_type(
+                obj.py(),
+                format!(
+                    "output must be a SchedulerOutput (from schedule()), got {}",
+                    type_name(&obj)
+                ),
+            )),
+        }
+    }
+}
+
+impl<'py> Deref for OutputArg<'_, 'py> {
+    type Target = Bound<'py, PySchedulerOutput>;
+
+    fn deref(&self) -> &Bound<'py, PySchedulerOutput> {
+        &self.0
     }
 }
 

@@ -17,15 +17,13 @@ use pyo3::types::{PyDict, PyFrozenSet, PyList, PyString, PyTuple};
 use pyo3::PyTraverseError;
 use std::borrow::Cow;
 
-use crate::convert::{
-    flat_exact_token_lists, strict_bool, token_ids, Flag, OutputArg, RequestId, Text,
-};
+use crate::convert::{flat_exact_token_lists, strict_bool, token_ids, Flag, RequestId, Text};
 use crate::draft_dict::{self, LiveDrafts};
 use crate::errors::{invalid, to_py, unless_fatal, wrong_type, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::outputs::{
-    read_only, LazyParts, LazyTable, PyNewRequestData, PyRequestOutput, PySchedulerOutput,
-    PyUpdateResult, StepTable,
+    read_only, LazyParts, LazyTable, OutputArg, PyNewRequestData, PyRequestOutput,
+    PySchedulerOutput, PyUpdateResult, StepTable,
 };
 use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec, runner_attr};
 
