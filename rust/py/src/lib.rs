@@ -5,6 +5,8 @@ mod convert;
 mod draft_dict;
 mod errors;
 mod fast_call;
+#[cfg(feature = "fault-injection")]
+mod fault_hook;
 mod guarded;
 mod hash_config;
 mod kv_cache_manager;
@@ -58,7 +60,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(feature = "fault-injection")]
     m.setattr(
         "_inject_fault",
-        wrap_pyfunction!(scheduler::inject_fault, m)?,
+        wrap_pyfunction!(fault_hook::inject_fault, m)?,
     )?;
     Ok(())
 }

@@ -1110,27 +1110,3 @@ impl PyScheduler {
         })
     }
 }
-
-/// Arms a core fault point to fail once: `kind` is "error" (an internal error) or "panic".
-/// Test-only: present when built with the `fault-injection` feature (`make develop`).
-#[cfg(feature = "fault-injection")]
-#[pyfunction]
-#[pyo3(name = "_inject_fault", signature = (point, kind="error"))]
-pub fn inject_fault(py: Python<'_>, point: &str, kind: &str) -> PyResult<()> {
-    use dflash_core::fault::{arm, disarm, FaultKind};
-    let kind = match kind {
-        "error" => FaultKind::Error,
-        "panic" => FaultKind::Panic,
-        "off" => {
-            disarm();
-            return Ok(());
-        }
-        other => {
-            return Err(invalid(
-                py,
-                format!("fault kind must be \"error\", \"panic\" or \"off\", got {other:?}"),
-            ))
-        }
-    };
-    arm(point, kind).py(py)
-}
