@@ -9,6 +9,7 @@ mod fast_call;
 mod fault_hook;
 mod guarded;
 mod hash_config;
+mod interned_ids;
 mod kv_cache_manager;
 mod outputs;
 mod scheduler;

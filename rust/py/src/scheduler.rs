@@ -8,7 +8,6 @@ use dflash_core::{
     CoreError, EntryKind, KvEvent, PauseState, Scheduler, SnapshotPool, StepOutput, TableSnapshot,
     UpdateOutput,
 };
-use hashbrown::HashMap;
 use numpy::PyArray1;
 use pyo3::gc::PyVisit;
 use pyo3::intern;
@@ -21,6 +20,7 @@ use crate::convert::{flat_exact_token_lists, strict_bool, token_ids, Flag, Reque
 use crate::draft_dict::{self, LiveDrafts};
 use crate::errors::{invalid, to_py, unless_fatal, wrong_type, IntoPyResult};
 use crate::guarded::Guarded;
+use crate::interned_ids::InternedIds;
 use crate::outputs::{
     read_only, LazyParts, LazyTable, OutputArg, PyNewRequestData, PyRequestOutput,
     PySchedulerOutput, PyUpdateResult, StepTable,
@@ -42,17 +42,10 @@ pub struct PyScheduler {
 /// The scheduler's mutable state, behind the lock.
 pub(crate) struct State {
     pub(crate) inner: Scheduler,
-    /// Interned request id per slot.
-    ids: Vec<Option<Py<PyString>>>,
-    /// Number of `Some` entries in `ids`.
-    num_interned: usize,
-    /// Slot of each interned id by the address of its str, to resolve the ids the scheduler
-    /// handed out without reading them. A hint only: see [`State::slot_by_identity`].
-    slot_of_interned: HashMap<usize, u32>,
+    /// Interned request id per slot, and the last `req_ids` tuple.
+    pub(crate) ids: InternedIds,
     step: StepOutput,
     pub(crate) update: UpdateOutput,
-    /// The last step's `req_ids` tuple, handed out again while the batch is unchanged.
-    last_req_ids: Option<Py<PyTuple>>,
     /// Frozen block tables of the steps handed out.
     snapshots: SnapshotPool,
     /// Tables of steps handed out and not read yet, oldest first: the journal keeps what they
@@ -63,59 +56,9 @@ pub(crate) struct State {
 }
 
 impl State {
-    fn intern_id(&mut self, py: Python<'_>, slot: u32, id: &str) {
-        let s = slot as usize;
-        if self.ids.len() <= s {
-            self.ids.resize_with(s + 1, || None);
-        }
-        let interned = PyString::new(py, id).unbind();
-        let key = interned.as_ptr() as usize;
-        match self.ids[s].replace(interned) {
-            Some(old) => forget_interned(&mut self.slot_of_interned, &old, slot),
-            None => self.num_interned += 1,
-        }
-        self.slot_of_interned.insert(key, slot);
-    }
-
-    pub(crate) fn id_of(&self, py: Python<'_>, slot: u32) -> PyResult<Py<PyString>> {
-        self.ids
-            .get(slot as usize)
-            .and_then(|x| x.as_ref())
-            .map(|s| s.clone_ref(py))
-            .ok_or_else(|| {
-                to_py(
-                    py,
-                    CoreError::Invariant(format!("slot {slot} has no interned id")),
-                )
-            })
-    }
-
     /// Drops interned ids of slots whose requests are gone (a scan only when some are).
     pub(crate) fn forget_finished(&mut self) {
-        if self.num_interned == self.inner.num_unfinished() {
-            return;
-        }
-        self.num_interned = self.inner.num_unfinished();
-        for (slot, id) in self.ids.iter_mut().enumerate() {
-            if id.is_some() && self.inner.requests().get(slot as u32).is_err() {
-                if let Some(gone) = id.take() {
-                    forget_interned(&mut self.slot_of_interned, &gone, slot as u32);
-                }
-            }
-        }
-    }
-
-    /// The live request (slot, generation) that `id` names when it is the very str interned
-    /// for it. Holding that str keeps its address unique, and a slot's interned id is its
-    /// latest request's, so identity settles it; any other str is looked up by its text.
-    fn slot_by_identity(&self, id: Borrowed<'_, '_, PyString>) -> Option<(u32, u32)> {
-        let &slot = self.slot_of_interned.get(&(id.as_ptr() as usize))?;
-        let interned = self.ids.get(slot as usize)?.as_ref()?;
-        if interned.as_ptr() != id.as_ptr() {
-            return None;
-        }
-        let generation = self.inner.requests().slot_of_generation(slot)?;
-        Some((slot, generation))
+        self.ids.forget_finished(&self.inner);
     }
 
     /// The live request (slot, generation) with id `id`.
@@ -132,9 +75,11 @@ impl State {
         dict: &Bound<'_, PyDict>,
     ) -> PyResult<Option<usize>> {
         let k = self.inner.config().num_speculative_tokens;
-        let live = draft_dict::read_exact(dict, k, |id| match self.slot_by_identity(id) {
-            Some(found) => Ok(Some(found)),
-            None => Ok(self.slot_by_text(&draft_dict::key_text(id)?)),
+        let live = draft_dict::read_exact(dict, k, |id| {
+            match self.ids.slot_by_identity(&self.inner, id) {
+                Some(found) => Ok(Some(found)),
+                None => Ok(self.slot_by_text(&draft_dict::key_text(id)?)),
+            }
         })?;
         match live {
             Some(live) => self.install_live_drafts(py, &live).map(Some),
@@ -147,30 +92,6 @@ impl State {
         self.inner
             .update_draft_token_ids_for_slots(&live.slots, &live.tokens, &live.counts)
             .py(py)
-    }
-
-    /// The batch's request ids as a tuple: the previous step's tuple when it holds exactly
-    /// these ids (a steady decode batch), so a step touches no string object; a new one
-    /// otherwise. Sharing is safe because a tuple of str cannot change.
-    fn req_ids_tuple<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let slots = &self.step.slots;
-        if let Some(prev) = &self.last_req_ids {
-            let tuple = prev.bind(py);
-            let unchanged = tuple.len() == slots.len()
-                && slots.iter().zip(tuple.iter_borrowed()).all(|(&slot, item)| {
-                    matches!(self.ids.get(slot as usize), Some(Some(id)) if item.is(id))
-                });
-            if unchanged {
-                return Ok(tuple.clone());
-            }
-        }
-        let ids = slots
-            .iter()
-            .map(|&slot| self.id_of(py, slot))
-            .collect::<PyResult<Vec<_>>>()?;
-        let tuple = PyTuple::new(py, ids)?;
-        self.last_req_ids = Some(tuple.clone().unbind());
-        Ok(tuple)
     }
 
     /// Freezes `lazy`'s table (at its version) unless done: a snapshot nothing changes while
@@ -215,7 +136,7 @@ impl State {
     fn build_output(&mut self, slf: &Bound<'_, PyScheduler>) -> PyResult<PySchedulerOutput> {
         let py = slf.py();
         self.maintain_journal(py)?;
-        let req_ids = self.req_ids_tuple(py)?;
+        let req_ids = self.ids.req_ids_tuple(py, &self.step.slots)?;
         let lazy = Arc::new(LazyTable {
             version: self.inner.block_table().version(),
             snapshot: OnceLock::new(),
@@ -236,7 +157,7 @@ impl State {
             if *kind != EntryKind::Running {
                 let r = this.inner.requests().get(step.slots[i]).py(py)?;
                 let data = PyNewRequestData::new(
-                    this.id_of(py, step.slots[i])?,
+                    this.ids.id_of(py, step.slots[i])?,
                     step.num_computed_tokens[i] as usize,
                     *kind == EntryKind::Resumed,
                     r.tokens.clone(),
@@ -457,7 +378,7 @@ impl State {
                 py,
                 PyRequestOutput::new(
                     py,
-                    self.id_of(py, u.slot)?,
+                    self.ids.id_of(py, u.slot)?,
                     &update.new_token_ids[u.tokens_start as usize..u.tokens_end as usize],
                     u.finish_reason,
                     u.finish_reason.and(u.stop_token),
@@ -475,15 +396,6 @@ impl State {
             outputs.push(Bound::new(py, PyRequestOutput::ended(py, e)?)?.into_any());
         }
         Ok(PyList::new(py, outputs)?.unbind())
-    }
-}
-
-/// Drops `id`'s entry of the identity map if it still names `slot` (one-character ids are
-/// shared strs, so a stale slot's id may be a live request's too).
-fn forget_interned(map: &mut HashMap<usize, u32>, id: &Py<PyString>, slot: u32) {
-    let key = id.as_ptr() as usize;
-    if map.get(&key) == Some(&slot) {
-        map.remove(&key);
     }
 }
 
@@ -520,12 +432,9 @@ impl PyScheduler {
             .clamp(4096, 1 << 20);
         let state = State {
             inner,
-            ids: Vec::new(),
-            num_interned: 0,
-            slot_of_interned: HashMap::new(),
+            ids: InternedIds::new(),
             step: StepOutput::default(),
             update: UpdateOutput::default(),
-            last_req_ids: None,
             snapshots: SnapshotPool::new(),
             unread: Vec::new(),
             journal_cap,
@@ -551,12 +460,7 @@ impl PyScheduler {
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.config)?;
         self.state
-            .try_peek(|st| {
-                for id in &st.ids {
-                    visit.call(id)?;
-                }
-                visit.call(&st.last_req_ids)
-            })
+            .try_peek(|st| st.ids.traverse(&visit))
             .unwrap_or(Ok(()))
     }
 
@@ -567,7 +471,7 @@ impl PyScheduler {
         self.state.with(py, |st| {
             let inner = &mut st.inner;
             let slot = py.detach(|| inner.add_request(spec)).py(py)?;
-            st.intern_id(py, slot, &id);
+            st.ids.intern(py, slot, &id);
             Ok(())
         })
     }
@@ -620,7 +524,7 @@ impl PyScheduler {
     ) -> PyResult<PyUpdateResult> {
         let slots = &output.get().parts.slots;
         self.apply_output(py, &output, runner_output, |st| {
-            PyUpdateResult::build(py, &st.update, slots, |slot| st.id_of(py, slot))
+            PyUpdateResult::build(py, &st.update, slots, |slot| st.ids.id_of(py, slot))
         })
     }
 
@@ -793,7 +697,7 @@ impl PyScheduler {
                         .inner
                         .slot_of(id)
                         .ok_or_else(|| to_py(py, CoreError::Invariant(format!("{id} vanished"))))?;
-                    st.id_of(py, slot)
+                    st.ids.id_of(py, slot)
                 })
                 .collect()
         })
@@ -849,7 +753,7 @@ impl PyScheduler {
     fn held_passed_over(&self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
         self.state.with(py, |st| {
             let slots = st.inner.held_passed_over().to_vec();
-            slots.iter().map(|&s| st.id_of(py, s)).collect()
+            slots.iter().map(|&s| st.ids.id_of(py, s)).collect()
         })
     }
 
@@ -934,7 +838,7 @@ impl PyScheduler {
             st.inner
                 .running()
                 .iter()
-                .map(|&s| st.id_of(py, s))
+                .map(|&s| st.ids.id_of(py, s))
                 .collect()
         })
     }
@@ -945,7 +849,7 @@ impl PyScheduler {
             st.inner
                 .waiting_in_order()
                 .iter()
-                .map(|&s| st.id_of(py, s))
+                .map(|&s| st.ids.id_of(py, s))
                 .collect()
         })
     }

@@ -283,7 +283,7 @@ impl PyVllmBridge {
                     _ => PyList::new(py, new)?,
                 };
                 cursor += 1;
-                let rid = st.id_of(py, u.slot)?;
+                let rid = st.ids.id_of(py, u.slot)?;
                 if let Some(ids) = &ids {
                     ids.append(&rid)?;
                 }
