@@ -11,6 +11,7 @@ mod guarded;
 mod hash_config;
 mod interned_ids;
 mod kv_cache_manager;
+mod lazy_table;
 mod outputs;
 mod scheduler;
 mod scheduler_args;

@@ -3,7 +3,7 @@
 //! `CachedRequestData`, `RequestOutput` and `UpdateResult`.
 
 use std::ops::Deref;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use dflash_core::{FinishReason, TableSnapshot};
 use numpy::ndarray::{ArrayView1, ArrayView2};
@@ -16,6 +16,7 @@ use pyo3::types::{PyDict, PyFrozenSet, PyList, PySet, PyString, PyTuple};
 use pyo3::PyTraverseError;
 
 use crate::errors::{type_name, wrong_type};
+use crate::lazy_table::LazyTable;
 
 /// `array`, made read-only as `setflags(write=False)` makes it, without a Python call.
 pub fn read_only<'py, A>(array: Bound<'py, A>) -> Bound<'py, A>
@@ -188,26 +189,17 @@ pub struct PySchedulerOutput {
 /// from, and its arrays once read.
 pub struct StepTable {
     /// Rows of the step.
-    pub rows: usize,
+    rows: usize,
     /// Version and frozen copy, shared with the scheduler (which freezes unread tables itself
     /// before it forgets the changes they need).
-    pub lazy: Arc<LazyTable>,
+    lazy: Arc<LazyTable>,
     /// The scheduler that produced the step.
-    pub scheduler: Py<crate::scheduler::PyScheduler>,
+    scheduler: Py<crate::scheduler::PyScheduler>,
     arrays: PyOnceLock<TableArrays>,
 }
 
 /// `(block_table, num_blocks_per_row)` of a step.
 type TableArrays = (Py<PyArray2<i32>>, Py<PyArray1<i32>>);
-
-/// The version of the table a step was returned at, and its snapshot once made.
-#[derive(Debug)]
-pub struct LazyTable {
-    /// The table's version when the step was returned.
-    pub version: u64,
-    /// The snapshot, once made.
-    pub snapshot: OnceLock<Arc<TableSnapshot>>,
-}
 
 /// Keeps a step's block-table snapshot alive: the base object of its numpy arrays.
 #[pyclass(module = "dflash_rs._core", name = "_BlockTableSnapshot", frozen)]
@@ -215,7 +207,7 @@ struct TableLease(#[allow(dead_code)] Arc<TableSnapshot>);
 
 impl StepTable {
     /// The table of a step of `rows` entries returned at `version`.
-    pub fn new(
+    pub(crate) fn new(
         rows: usize,
         lazy: Arc<LazyTable>,
         scheduler: Py<crate::scheduler::PyScheduler>,

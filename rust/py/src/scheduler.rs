@@ -2,11 +2,10 @@
 //! flat arrays. Request ids are interned once per request, so a step creates no Python string
 //! and no Python object per block.
 
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::Arc;
 
 use dflash_core::{
-    CoreError, EntryKind, KvEvent, PauseState, Scheduler, SnapshotPool, StepOutput, TableSnapshot,
-    UpdateOutput,
+    CoreError, EntryKind, KvEvent, PauseState, Scheduler, StepOutput, TableSnapshot, UpdateOutput,
 };
 use numpy::PyArray1;
 use pyo3::gc::PyVisit;
@@ -21,9 +20,10 @@ use crate::draft_dict::{self, LiveDrafts};
 use crate::errors::{invalid, to_py, unless_fatal, wrong_type, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::interned_ids::InternedIds;
+use crate::lazy_table::{LazyTable, LazyTables};
 use crate::outputs::{
-    read_only, LazyParts, LazyTable, OutputArg, PyNewRequestData, PyRequestOutput,
-    PySchedulerOutput, PyUpdateResult, StepTable,
+    read_only, LazyParts, OutputArg, PyNewRequestData, PyRequestOutput, PySchedulerOutput,
+    PyUpdateResult, StepTable,
 };
 use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec, runner_attr};
 
@@ -46,13 +46,8 @@ pub(crate) struct State {
     pub(crate) ids: InternedIds,
     step: StepOutput,
     pub(crate) update: UpdateOutput,
-    /// Frozen block tables of the steps handed out.
-    snapshots: SnapshotPool,
-    /// Tables of steps handed out and not read yet, oldest first: the journal keeps what they
-    /// need, or they are frozen before it forgets.
-    unread: Vec<Weak<LazyTable>>,
-    /// Journaled table changes past which the journal is trimmed.
-    journal_cap: usize,
+    /// The block tables of the steps handed out.
+    tables: LazyTables,
 }
 
 impl State {
@@ -94,54 +89,11 @@ impl State {
             .py(py)
     }
 
-    /// Freezes `lazy`'s table (at its version) unless done: a snapshot nothing changes while
-    /// held.
-    fn freeze(&mut self, py: Python<'_>, lazy: &LazyTable) -> PyResult<Arc<TableSnapshot>> {
-        if let Some(s) = lazy.snapshot.get() {
-            return Ok(s.clone());
-        }
-        let snapshot = self
-            .snapshots
-            .take(self.inner.block_table(), lazy.version)
-            .py(py)?;
-        Ok(lazy.snapshot.get_or_init(|| snapshot).clone())
-    }
-
-    /// Bounds the table's journal: once it holds more than `journal_cap` changes, the unread
-    /// tables that need its older half are frozen and that half is dropped.
-    fn maintain_journal(&mut self, py: Python<'_>) -> PyResult<()> {
-        let Some(journal) = self.inner.block_table().journal() else {
-            return Ok(());
-        };
-        let over = journal.len() > self.journal_cap;
-        if !over && self.unread.len() < 64 {
-            return Ok(());
-        }
-        let unread_now = |w: &Weak<LazyTable>| w.upgrade().filter(|t| t.snapshot.get().is_none());
-        self.unread.retain(|w| unread_now(w).is_some());
-        if !over {
-            return Ok(());
-        }
-        let cutoff = journal.end() - (self.journal_cap / 2) as u64;
-        for table in self.unread.clone().iter().filter_map(unread_now) {
-            if table.version < cutoff {
-                self.freeze(py, &table)?;
-            }
-        }
-        self.unread.retain(|w| unread_now(w).is_some());
-        self.inner.trim_block_table_journal(cutoff);
-        Ok(())
-    }
-
     fn build_output(&mut self, slf: &Bound<'_, PyScheduler>) -> PyResult<PySchedulerOutput> {
         let py = slf.py();
-        self.maintain_journal(py)?;
+        self.tables.maintain_journal(py, &mut self.inner)?;
         let req_ids = self.ids.req_ids_tuple(py, &self.step.slots)?;
-        let lazy = Arc::new(LazyTable {
-            version: self.inner.block_table().version(),
-            snapshot: OnceLock::new(),
-        });
-        self.unread.push(Arc::downgrade(&lazy));
+        let lazy = self.tables.hand_out(&self.inner);
         let this = &*self;
         let step = &this.step;
         let n = step.num_reqs();
@@ -409,9 +361,14 @@ impl PyScheduler {
         self.state.with(py, f)
     }
 
-    /// Freezes a step's table (see [`State::freeze`]): called when it is first read.
-    pub fn freeze_table(&self, py: Python<'_>, lazy: &LazyTable) -> PyResult<Arc<TableSnapshot>> {
-        self.state.with(py, |st| st.freeze(py, lazy))
+    /// Freezes a step's table (see [`LazyTables::freeze`]): called when it is first read.
+    pub(crate) fn freeze_table(
+        &self,
+        py: Python<'_>,
+        lazy: &LazyTable,
+    ) -> PyResult<Arc<TableSnapshot>> {
+        self.state
+            .with(py, |st| st.tables.freeze(py, &st.inner, lazy))
     }
 }
 
@@ -422,22 +379,13 @@ impl PyScheduler {
         let core_config = config_from_py(config)?;
         let max_model_len = core_config.max_model_len;
         let mut inner = Scheduler::new(core_config).py(py)?;
-        inner.enable_block_table_journal();
-        // A few steps of appends (one change per block), and no more: at 16 bytes a change it
-        // stays in cache, written for every block allocated.
-        let journal_cap = inner
-            .config()
-            .max_num_seqs
-            .saturating_mul(4)
-            .clamp(4096, 1 << 20);
+        let tables = LazyTables::new(&mut inner);
         let state = State {
             inner,
             ids: InternedIds::new(),
             step: StepOutput::default(),
             update: UpdateOutput::default(),
-            snapshots: SnapshotPool::new(),
-            unread: Vec::new(),
-            journal_cap,
+            tables,
         };
         Ok(Self {
             state: Guarded::new(state, "Scheduler"),
