@@ -13,8 +13,10 @@ mod interned_ids;
 mod kv_cache_manager;
 mod lazy_table;
 mod outputs;
+mod runner_output;
 mod scheduler;
 mod scheduler_args;
+mod step_update;
 mod vllm_bridge;
 
 use pyo3::prelude::*;

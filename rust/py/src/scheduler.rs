@@ -15,17 +15,16 @@ use pyo3::types::{PyDict, PyFrozenSet, PyList, PyString, PyTuple};
 use pyo3::PyTraverseError;
 use std::borrow::Cow;
 
-use crate::convert::{flat_exact_token_lists, strict_bool, token_ids, Flag, RequestId, Text};
+use crate::convert::{strict_bool, token_ids, Flag, RequestId, Text};
 use crate::draft_dict::{self, LiveDrafts};
-use crate::errors::{invalid, to_py, unless_fatal, wrong_type, IntoPyResult};
+use crate::errors::{to_py, unless_fatal, wrong_type, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::interned_ids::InternedIds;
 use crate::lazy_table::{LazyTable, LazyTables};
 use crate::outputs::{
-    read_only, LazyParts, OutputArg, PyNewRequestData, PyRequestOutput, PySchedulerOutput,
-    PyUpdateResult, StepTable,
+    read_only, LazyParts, OutputArg, PyNewRequestData, PySchedulerOutput, PyUpdateResult, StepTable,
 };
-use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec, runner_attr};
+use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec};
 
 /// Continuous-batching scheduler with DFlash-safe lookahead allocation.
 ///
@@ -155,162 +154,6 @@ impl State {
         ))
     }
 
-    /// Sampled tokens as flat tokens + counts, from lists or arrays.
-    fn sampled_from_runner(
-        py: Python<'_>,
-        runner: &Bound<'_, PyAny>,
-    ) -> PyResult<(Vec<u32>, Vec<u32>)> {
-        let flat = runner_attr(runner, intern!(py, "sampled_tokens_flat"))?;
-        if !flat.is_none() {
-            let tokens = token_ids(&flat, "sampled_tokens_flat")?;
-            let counts = token_ids(
-                &runner_attr(runner, intern!(py, "num_sampled_tokens"))?,
-                "num_sampled_tokens",
-            )?;
-            return Ok((tokens, counts));
-        }
-        let lists = runner_attr(runner, intern!(py, "sampled_token_ids"))?;
-        let mut tokens = Vec::new();
-        let mut counts = Vec::new();
-        if flat_exact_token_lists(&lists, &mut tokens, &mut counts) {
-            return Ok((tokens, counts));
-        }
-        for (i, item) in lists
-            .try_iter()
-            .map_err(|e| {
-                unless_fatal(py, e, || {
-                    invalid(py, "sampled_token_ids must be a sequence")
-                })
-            })?
-            .enumerate()
-        {
-            let item = item?;
-            let t = token_ids(&item, format_args!("sampled_token_ids[{i}]"))?;
-            counts.push(t.len() as u32);
-            tokens.extend_from_slice(&t);
-        }
-        Ok((tokens, counts))
-    }
-
-    /// The runner's drafts for the next step (one token list per batch entry) as flat tokens
-    /// + counts.
-    fn drafts_from_runner(
-        py: Python<'_>,
-        drafts: &Bound<'_, PyAny>,
-    ) -> PyResult<(Vec<u32>, Vec<u32>)> {
-        let mut tokens = Vec::new();
-        let mut counts = Vec::new();
-        if flat_exact_token_lists(drafts, &mut tokens, &mut counts) {
-            return Ok((tokens, counts));
-        }
-        let not_lists = || {
-            wrong_type(
-                py,
-                "draft_token_ids must be a sequence of token lists (one per request) or None",
-            )
-        };
-        let items = drafts
-            .try_iter()
-            .map_err(|e| unless_fatal(py, e, not_lists))?;
-        for (i, item) in items.enumerate() {
-            let t = token_ids(&item?, format_args!("draft_token_ids[{i}]"))?;
-            counts.push(t.len() as u32);
-            tokens.extend_from_slice(&t);
-        }
-        Ok((tokens, counts))
-    }
-
-    /// Rejects an output of another scheduler.
-    pub(crate) fn check_owner(&self, py: Python<'_>, output: &PySchedulerOutput) -> PyResult<()> {
-        if output.parts.scheduler_uid != self.inner.uid() {
-            return Err(invalid(
-                py,
-                "this SchedulerOutput was produced by another Scheduler",
-            ));
-        }
-        Ok(())
-    }
-
-    /// Checks that `runner_ids` names the step's requests in its order, element by element
-    /// (never trusted by identity: a list handed back may have been changed since).
-    pub(crate) fn check_req_ids(
-        py: Python<'_>,
-        output: &PySchedulerOutput,
-        runner_ids: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
-        let expected = output.req_ids.bind(py);
-        let n = runner_ids.len().map_err(|e| {
-            unless_fatal(py, e, || invalid(py, "req_ids must be a sequence of str"))
-        })?;
-        if n != expected.len() {
-            return Err(invalid(
-                py,
-                format!(
-                    "ModelRunnerOutput has {n} req_ids but the step scheduled {}",
-                    expected.len()
-                ),
-            ));
-        }
-        let mismatch = |i: usize, a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>| {
-            invalid(
-                py,
-                format!("ModelRunnerOutput.req_ids[{i}] = {a} but the step scheduled {b} there"),
-            )
-        };
-        // Lists and tuples: the ids are the scheduler's own interned strings, so a pointer
-        // compare settles almost every element.
-        if let Ok(list) = runner_ids.cast::<PyList>() {
-            for (i, b) in expected.iter_borrowed().enumerate() {
-                let a = list.get_item(i)?;
-                if !a.is(&*b) && !a.eq(&*b)? {
-                    return Err(mismatch(i, &a, &b));
-                }
-            }
-            return Ok(());
-        }
-        if let Ok(tuple) = runner_ids.cast::<PyTuple>() {
-            for (i, (a, b)) in tuple
-                .iter_borrowed()
-                .zip(expected.iter_borrowed())
-                .enumerate()
-            {
-                if !a.is(&*b) && !a.eq(&*b)? {
-                    return Err(mismatch(i, &a, &b));
-                }
-            }
-            return Ok(());
-        }
-        for (i, (a, b)) in runner_ids.try_iter()?.zip(expected.iter()).enumerate() {
-            let a = a?;
-            if !a.is(&b) && !a.eq(&b)? {
-                return Err(mismatch(i, &a, &b));
-            }
-        }
-        Ok(())
-    }
-
-    /// Applies sampled tokens (flat, with per-entry counts in batch order) to `out`'s step.
-    pub(crate) fn apply_tokens(
-        &mut self,
-        py: Python<'_>,
-        out: &PySchedulerOutput,
-        tokens: &[u32],
-        counts: &[u32],
-    ) -> PyResult<()> {
-        self.check_owner(py, out)?;
-        if out.parts.slots.is_empty() && !tokens.is_empty() {
-            // An empty step awaits no output (the core only reports what ended meanwhile).
-            return Err(invalid(
-                py,
-                "sampled tokens were given for a step that scheduled nothing",
-            ));
-        }
-        let step_id = out.step_id;
-        let (inner, update) = (&mut self.inner, &mut self.update);
-        py.detach(|| inner.update_from_output(step_id, tokens, counts, update))
-            .py(py)
-    }
-
     /// A live request by id.
     fn live(&self, py: Python<'_>, request_id: &str) -> PyResult<&dflash_core::Request> {
         let slot = self
@@ -318,36 +161,6 @@ impl State {
             .slot_of(request_id)
             .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
         self.inner.requests().get(slot).py(py)
-    }
-
-    /// One `RequestOutput` per request in the last update, in batch order, then one per request
-    /// the scheduler ended on its own (no tokens).
-    fn request_outputs(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        let update = &self.update;
-        let mut outputs = Vec::with_capacity(update.updates.len() + update.ended.len());
-        for u in &update.updates {
-            let ro = Bound::new(
-                py,
-                PyRequestOutput::new(
-                    py,
-                    self.ids.id_of(py, u.slot)?,
-                    &update.new_token_ids[u.tokens_start as usize..u.tokens_end as usize],
-                    u.finish_reason,
-                    u.finish_reason.and(u.stop_token),
-                )?,
-            )?;
-            // A RequestOutput holds only strs, ints, None and Rust data, so it can never be
-            // part of a reference cycle; untracking it keeps one object per request per step out of the
-            // garbage collector's young generation (one reused from the free list is
-            // untracked already).
-            // SAFETY: `ro` is a live object of a GC type; untracking an object is valid.
-            unsafe { pyo3::ffi::PyObject_GC_UnTrack(ro.as_ptr().cast()) };
-            outputs.push(ro.into_any());
-        }
-        for e in &update.ended {
-            outputs.push(Bound::new(py, PyRequestOutput::ended(py, e)?)?.into_any());
-        }
-        Ok(PyList::new(py, outputs)?.unbind())
     }
 }
 
@@ -887,78 +700,6 @@ impl PyScheduler {
                 inner.running().len(),
                 inner.num_waiting()
             ))
-        })
-    }
-}
-
-impl PyScheduler {
-    /// The body of `update_from_output*`: validates `runner_output` against `output`, applies
-    /// it in the core, installs any drafts it carries, and builds the result with `build`.
-    fn apply_output<R>(
-        &self,
-        py: Python<'_>,
-        output: &Bound<'_, PySchedulerOutput>,
-        runner_output: &Bound<'_, PyAny>,
-        build: impl FnOnce(&State) -> PyResult<R>,
-    ) -> PyResult<R> {
-        let out = output.get();
-        let runner_ids = runner_output.getattr(intern!(py, "req_ids")).map_err(|e| {
-            unless_fatal(py, e, || {
-                invalid(
-                    py,
-                    "runner_output must be a ModelRunnerOutput (it has no req_ids)",
-                )
-            })
-        })?;
-        State::check_req_ids(py, out, &runner_ids)?;
-        let (tokens, counts) = State::sampled_from_runner(py, runner_output)?;
-        let drafts = runner_attr(runner_output, intern!(py, "draft_token_ids"))?;
-        let runner_drafts = if drafts.is_none() {
-            None
-        } else {
-            let (draft_tokens, draft_counts) = State::drafts_from_runner(py, &drafts)?;
-            if draft_counts.len() != counts.len() {
-                return Err(invalid(
-                    py,
-                    format!(
-                        "{} draft lists for {} requests",
-                        draft_counts.len(),
-                        counts.len()
-                    ),
-                ));
-            }
-            Some((draft_tokens, draft_counts))
-        };
-        self.state.with(py, |st| {
-            let k = st.inner.config().num_speculative_tokens;
-            if let Some((_, draft_counts)) = &runner_drafts {
-                // Checked before the output is applied, so that a refusal changes nothing.
-                if let Some(i) = draft_counts.iter().position(|&c| c as usize > k) {
-                    return Err(invalid(
-                        py,
-                        format!(
-                            "draft_token_ids[{i}] has {} tokens but at most K = {k} can be \
-                             verified",
-                            draft_counts[i]
-                        ),
-                    ));
-                }
-            }
-            st.apply_tokens(py, out, &tokens, &counts)?;
-            let result = build(st)?;
-            if let Some((draft_tokens, draft_counts)) = runner_drafts
-                .as_ref()
-                .filter(|(_, draft_counts)| !draft_counts.is_empty())
-            {
-                // Cannot fail: one list per batch entry (an update that samples for a step
-                // takes one sample per entry), each checked against K above. Entries that
-                // finished in the update are gone from their slots, so they take none.
-                st.inner
-                    .update_draft_token_ids_for_slots(&out.parts.slots, draft_tokens, draft_counts)
-                    .py(py)?;
-            }
-            st.forget_finished();
-            Ok(result)
         })
     }
 }
