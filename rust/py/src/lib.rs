@@ -3,6 +3,7 @@
 
 mod convert;
 mod draft_dict;
+mod draft_install;
 mod errors;
 mod fast_call;
 #[cfg(feature = "fault-injection")]
@@ -16,6 +17,7 @@ mod outputs;
 mod runner_output;
 mod scheduler;
 mod scheduler_args;
+mod step_output;
 mod step_update;
 mod vllm_bridge;
 

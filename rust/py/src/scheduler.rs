@@ -5,25 +5,22 @@
 use std::sync::Arc;
 
 use dflash_core::{
-    CoreError, EntryKind, KvEvent, PauseState, Scheduler, StepOutput, TableSnapshot, UpdateOutput,
+    CoreError, KvEvent, PauseState, Scheduler, StepOutput, TableSnapshot, UpdateOutput,
 };
-use numpy::PyArray1;
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyFrozenSet, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use pyo3::PyTraverseError;
 use std::borrow::Cow;
 
 use crate::convert::{strict_bool, token_ids, Flag, RequestId, Text};
-use crate::draft_dict::{self, LiveDrafts};
+use crate::draft_dict;
 use crate::errors::{to_py, unless_fatal, wrong_type, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::interned_ids::InternedIds;
 use crate::lazy_table::{LazyTable, LazyTables};
-use crate::outputs::{
-    read_only, LazyParts, OutputArg, PyNewRequestData, PySchedulerOutput, PyUpdateResult, StepTable,
-};
+use crate::outputs::{OutputArg, PySchedulerOutput, PyUpdateResult};
 use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec};
 
 /// Continuous-batching scheduler with DFlash-safe lookahead allocation.
@@ -43,115 +40,16 @@ pub(crate) struct State {
     pub(crate) inner: Scheduler,
     /// Interned request id per slot, and the last `req_ids` tuple.
     pub(crate) ids: InternedIds,
-    step: StepOutput,
+    pub(crate) step: StepOutput,
     pub(crate) update: UpdateOutput,
     /// The block tables of the steps handed out.
-    tables: LazyTables,
+    pub(crate) tables: LazyTables,
 }
 
 impl State {
     /// Drops interned ids of slots whose requests are gone (a scan only when some are).
     pub(crate) fn forget_finished(&mut self) {
         self.ids.forget_finished(&self.inner);
-    }
-
-    /// The live request (slot, generation) with id `id`.
-    fn slot_by_text(&self, id: &str) -> Option<(u32, u32)> {
-        let slot = self.inner.slot_of(id)?;
-        let generation = self.inner.requests().slot_of_generation(slot)?;
-        Some((slot, generation))
-    }
-
-    /// `update_draft_token_ids` of a dict the one-pass read takes (None for any other).
-    fn install_exact_draft_dict(
-        &mut self,
-        py: Python<'_>,
-        dict: &Bound<'_, PyDict>,
-    ) -> PyResult<Option<usize>> {
-        let k = self.inner.config().num_speculative_tokens;
-        let live = draft_dict::read_exact(dict, k, |id| {
-            match self.ids.slot_by_identity(&self.inner, id) {
-                Some(found) => Ok(Some(found)),
-                None => Ok(self.slot_by_text(&draft_dict::key_text(id)?)),
-            }
-        })?;
-        match live {
-            Some(live) => self.install_live_drafts(py, &live).map(Some),
-            None => Ok(None),
-        }
-    }
-
-    /// Installs drafts of live requests (the core skips waiting and prefill-chunk ones).
-    fn install_live_drafts(&mut self, py: Python<'_>, live: &LiveDrafts) -> PyResult<usize> {
-        self.inner
-            .update_draft_token_ids_for_slots(&live.slots, &live.tokens, &live.counts)
-            .py(py)
-    }
-
-    fn build_output(&mut self, slf: &Bound<'_, PyScheduler>) -> PyResult<PySchedulerOutput> {
-        let py = slf.py();
-        self.tables.maintain_journal(py, &mut self.inner)?;
-        let req_ids = self.ids.req_ids_tuple(py, &self.step.slots)?;
-        let lazy = self.tables.hand_out(&self.inner);
-        let this = &*self;
-        let step = &this.step;
-        let n = step.num_reqs();
-        let table = StepTable::new(n, lazy, slf.clone().unbind());
-        let mut new_reqs = Vec::new();
-        let mut kinds = Vec::with_capacity(n);
-        for (i, kind) in step.kinds.iter().enumerate() {
-            kinds.push(match kind {
-                EntryKind::Running => 0u8,
-                EntryKind::New => 1,
-                EntryKind::Resumed => 2,
-            });
-            if *kind != EntryKind::Running {
-                let r = this.inner.requests().get(step.slots[i]).py(py)?;
-                let data = PyNewRequestData::new(
-                    this.ids.id_of(py, step.slots[i])?,
-                    step.num_computed_tokens[i] as usize,
-                    *kind == EntryKind::Resumed,
-                    r.tokens.clone(),
-                    r.num_prompt_tokens(),
-                    r.blocks.block_ids.clone(),
-                );
-                new_reqs.push(Py::new(py, data)?);
-            }
-        }
-        let finished = PyFrozenSet::new(py, &step.finished_req_ids)?;
-        let preempted = PyFrozenSet::new(py, &step.preempted_req_ids)?;
-        let parts = LazyParts {
-            num_scheduled: step.num_scheduled_tokens.clone(),
-            kinds,
-            spec_tokens: step.spec_token_ids.clone(),
-            spec_counts: step.num_spec_tokens.clone(),
-            new_blocks: step.new_block_ids.clone(),
-            new_block_counts: step.num_new_blocks.clone(),
-            num_computed: step.num_computed_tokens.clone(),
-            slots: step
-                .slots
-                .iter()
-                .copied()
-                .zip(step.generations.iter().copied())
-                .collect(),
-            num_output_placeholders: step.num_output_placeholders.clone(),
-            scheduler_uid: step.scheduler_uid,
-        };
-        Ok(PySchedulerOutput::new(
-            step.step_id,
-            req_ids.unbind(),
-            step.total_num_scheduled_tokens,
-            read_only(PyArray1::from_slice(py, &step.num_scheduled_tokens)).unbind(),
-            read_only(PyArray1::from_slice(py, &step.num_computed_tokens)).unbind(),
-            read_only(PyArray1::from_slice(py, &step.query_start_loc)).unbind(),
-            read_only(PyArray1::from_slice(py, &step.is_prefill_chunk)).unbind(),
-            finished.unbind(),
-            preempted.unbind(),
-            PyTuple::new(py, new_reqs)?.unbind(),
-            step.num_lookahead_tokens,
-            parts,
-            table,
-        ))
     }
 
     /// A live request by id.
@@ -323,11 +221,8 @@ impl PyScheduler {
             return Ok(applied);
         }
         let drafts = draft_dict::read_general(&dict)?;
-        self.state.with(py, |st| {
-            let k = st.inner.config().num_speculative_tokens;
-            let live = drafts.resolve(py, k, |id| st.slot_by_text(id))?;
-            st.install_live_drafts(py, &live)
-        })
+        self.state
+            .with(py, |st| st.install_draft_texts(py, &drafts))
     }
 
     /// Drafts for the requests of `output`'s batch, as flat tokens + per-request counts
