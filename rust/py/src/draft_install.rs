@@ -7,7 +7,7 @@ use pyo3::types::PyDict;
 
 use crate::draft_dict::{self, DraftTexts, LiveDrafts};
 use crate::errors::IntoPyResult;
-use crate::scheduler::State;
+use crate::scheduler_state::State;
 
 impl State {
     /// `update_draft_token_ids` of a dict the one-pass read takes (None for any other).

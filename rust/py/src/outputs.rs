@@ -194,7 +194,7 @@ pub struct StepTable {
     /// before it forgets the changes they need).
     lazy: Arc<LazyTable>,
     /// The scheduler that produced the step.
-    scheduler: Py<crate::scheduler::PyScheduler>,
+    scheduler: Py<crate::scheduler_state::PyScheduler>,
     arrays: PyOnceLock<TableArrays>,
 }
 
@@ -210,7 +210,7 @@ impl StepTable {
     pub(crate) fn new(
         rows: usize,
         lazy: Arc<LazyTable>,
-        scheduler: Py<crate::scheduler::PyScheduler>,
+        scheduler: Py<crate::scheduler_state::PyScheduler>,
     ) -> Self {
         Self {
             rows,

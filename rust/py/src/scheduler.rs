@@ -1,12 +1,9 @@
-//! `dflash_rs.Scheduler`: the per-step loop in Rust, crossing into Python once per call with
-//! flat arrays. Request ids are interned once per request, so a step creates no Python string
-//! and no Python object per block.
+//! `dflash_rs.Scheduler`'s methods: the per-step loop in Rust, crossing into Python once per
+//! call with flat arrays. Each method converts its arguments, runs the core under the lock and
+//! maps errors; the object and its state are in `scheduler_state.rs`, the jobs on the state in
+//! `step_output.rs`, `step_update.rs` and `draft_install.rs`.
 
-use std::sync::Arc;
-
-use dflash_core::{
-    CoreError, KvEvent, PauseState, Scheduler, StepOutput, TableSnapshot, UpdateOutput,
-};
+use dflash_core::{CoreError, KvEvent, PauseState};
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -17,117 +14,34 @@ use std::borrow::Cow;
 use crate::convert::{strict_bool, token_ids, Flag, RequestId, Text};
 use crate::draft_dict;
 use crate::errors::{to_py, unless_fatal, wrong_type, IntoPyResult};
-use crate::guarded::Guarded;
-use crate::interned_ids::InternedIds;
-use crate::lazy_table::{LazyTable, LazyTables};
 use crate::outputs::{OutputArg, PySchedulerOutput, PyUpdateResult};
 use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec};
-
-/// Continuous-batching scheduler with DFlash-safe lookahead allocation.
-///
-/// Safe to share between Python threads: calls are serialised by an internal lock (see
-/// [`Guarded`]), and the GIL is released around the O(batch) work.
-#[pyclass(module = "dflash_rs._core", name = "Scheduler", frozen, weakref)]
-pub struct PyScheduler {
-    state: Guarded<State>,
-    config: Py<PyAny>,
-    /// The core configuration's `max_model_len` (sizes a request's vectors before the lock).
-    max_model_len: usize,
-}
-
-/// The scheduler's mutable state, behind the lock.
-pub(crate) struct State {
-    pub(crate) inner: Scheduler,
-    /// Interned request id per slot, and the last `req_ids` tuple.
-    pub(crate) ids: InternedIds,
-    pub(crate) step: StepOutput,
-    pub(crate) update: UpdateOutput,
-    /// The block tables of the steps handed out.
-    pub(crate) tables: LazyTables,
-}
-
-impl State {
-    /// Drops interned ids of slots whose requests are gone (a scan only when some are).
-    pub(crate) fn forget_finished(&mut self) {
-        self.ids.forget_finished(&self.inner);
-    }
-
-    /// A live request by id.
-    fn live(&self, py: Python<'_>, request_id: &str) -> PyResult<&dflash_core::Request> {
-        let slot = self
-            .inner
-            .slot_of(request_id)
-            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
-        self.inner.requests().get(slot).py(py)
-    }
-}
-
-impl PyScheduler {
-    /// Runs `f` on the scheduler's state, holding it (for the vLLM bridge).
-    pub(crate) fn with_state<R>(
-        &self,
-        py: Python<'_>,
-        f: impl FnOnce(&mut State) -> PyResult<R>,
-    ) -> PyResult<R> {
-        self.state.with(py, f)
-    }
-
-    /// Freezes a step's table (see [`LazyTables::freeze`]): called when it is first read.
-    pub(crate) fn freeze_table(
-        &self,
-        py: Python<'_>,
-        lazy: &LazyTable,
-    ) -> PyResult<Arc<TableSnapshot>> {
-        self.state
-            .with(py, |st| st.tables.freeze(py, &st.inner, lazy))
-    }
-}
+use crate::scheduler_state::PyScheduler;
 
 #[pymethods]
 impl PyScheduler {
     #[new]
     fn new(py: Python<'_>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
         let core_config = config_from_py(config)?;
-        let max_model_len = core_config.max_model_len;
-        let mut inner = Scheduler::new(core_config).py(py)?;
-        let tables = LazyTables::new(&mut inner);
-        let state = State {
-            inner,
-            ids: InternedIds::new(),
-            step: StepOutput::default(),
-            update: UpdateOutput::default(),
-            tables,
-        };
-        Ok(Self {
-            state: Guarded::new(state, "Scheduler"),
-            config: config.clone().unbind(),
-            max_model_len,
-        })
+        Self::create(py, core_config, config.clone().unbind())
     }
 
     /// The configuration this scheduler was built from.
     #[getter]
     fn config(&self, py: Python<'_>) -> Py<PyAny> {
-        self.config.clone_ref(py)
+        self.config_object().clone_ref(py)
     }
 
-    /// Garbage-collector support: the config and the Python objects the state holds. Skips the
-    /// state while a call holds it (the collector then sees fewer references, which can only
-    /// keep objects alive, never free one in use). No `__clear__`: the config is immutable
-    /// here, so a cycle through it is broken where it is mutable (the config's attributes); the
-    /// state holds only strs and tuples of strs, which can close no cycle.
+    /// Garbage-collector support (see [`PyScheduler::traverse`]).
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.config)?;
-        self.state
-            .try_peek(|st| st.ids.traverse(&visit))
-            .unwrap_or(Ok(()))
+        self.traverse(visit)
     }
 
     /// Enqueues a request (hashing its prompt blocks in Rust).
     fn add_request(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
-        let spec = request_spec(request, self.max_model_len)?;
+        let spec = request_spec(request, self.max_model_len())?;
         let id = spec.request_id.clone();
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             let inner = &mut st.inner;
             let slot = py.detach(|| inner.add_request(spec)).py(py)?;
             st.ids.intern(py, slot, &id);
@@ -143,7 +57,7 @@ impl PyScheduler {
     fn schedule(slf: &Bound<'_, Self>, throttle_prefills: Flag) -> PyResult<PySchedulerOutput> {
         let py = slf.py();
         let Flag(throttle) = throttle_prefills;
-        slf.get().state.with(py, |st| {
+        slf.get().with_state(py, |st| {
             let (inner, step) = (&mut st.inner, &mut st.step);
             py.detach(|| inner.schedule_throttled(step, throttle))
                 .py(py)?;
@@ -156,8 +70,7 @@ impl PyScheduler {
     /// drains the queue.
     #[getter]
     fn prefill_capacity_bound(&self, py: Python<'_>) -> PyResult<bool> {
-        self.state
-            .with(py, |st| Ok(st.inner.prefill_capacity_bound()))
+        self.with_state(py, |st| Ok(st.inner.prefill_capacity_bound()))
     }
 
     /// Applies the model's output for `output`'s step; returns one `RequestOutput` per request
@@ -197,7 +110,7 @@ impl PyScheduler {
         output: &Bound<'_, PySchedulerOutput>,
     ) -> PyResult<usize> {
         let out = output.get();
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             st.check_owner(py, out)?;
             if out.parts.slots.is_empty() {
                 return Ok(0); // an empty step awaits no output
@@ -214,15 +127,11 @@ impl PyScheduler {
         draft_token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let dict = draft_dict::as_draft_dict(draft_token_ids)?;
-        if let Some(applied) = self
-            .state
-            .with(py, |st| st.install_exact_draft_dict(py, &dict))?
-        {
+        if let Some(applied) = self.with_state(py, |st| st.install_exact_draft_dict(py, &dict))? {
             return Ok(applied);
         }
         let drafts = draft_dict::read_general(&dict)?;
-        self.state
-            .with(py, |st| st.install_draft_texts(py, &drafts))
+        self.with_state(py, |st| st.install_draft_texts(py, &drafts))
     }
 
     /// Drafts for the requests of `output`'s batch, as flat tokens + per-request counts
@@ -237,7 +146,7 @@ impl PyScheduler {
         let tokens = token_ids(draft_tokens, "draft_tokens")?;
         let counts = token_ids(num_draft_tokens, "num_draft_tokens")?;
         let out = output.get();
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             st.check_owner(py, out)?;
             st.inner
                 .update_draft_token_ids_for_slots(&out.parts.slots, &tokens, &counts)
@@ -277,7 +186,7 @@ impl PyScheduler {
             }
             ids
         };
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             let done = st
                 .inner
                 .finish_requests(ids.iter().map(String::as_str), reason)
@@ -289,21 +198,20 @@ impl PyScheduler {
 
     /// Whether the id is live (waiting or running).
     fn has_request(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<bool> {
-        self.state
-            .with(py, |st| Ok(st.inner.slot_of(&request_id).is_some()))
+        self.with_state(py, |st| Ok(st.inner.slot_of(&request_id).is_some()))
     }
 
     fn has_unfinished_requests(&self, py: Python<'_>) -> PyResult<bool> {
-        self.state.with(py, |st| Ok(st.inner.num_unfinished() > 0))
+        self.with_state(py, |st| Ok(st.inner.num_unfinished() > 0))
     }
 
     fn get_num_unfinished_requests(&self, py: Python<'_>) -> PyResult<usize> {
-        self.state.with(py, |st| Ok(st.inner.num_unfinished()))
+        self.with_state(py, |st| Ok(st.inner.num_unfinished()))
     }
 
     /// (running, waiting) counts.
     fn get_request_counts(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             Ok((st.inner.running().len(), st.inner.num_waiting()))
         })
     }
@@ -325,9 +233,9 @@ impl PyScheduler {
             None => false,
         };
         if !preempt {
-            return self.state.with(py, |st| Ok(st.inner.reset_prefix_cache()));
+            return self.with_state(py, |st| Ok(st.inner.reset_prefix_cache()));
         }
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             st.inner.reset_prefix_cache_preempting_running().py(py)?;
             Ok(true)
         })
@@ -345,7 +253,7 @@ impl PyScheduler {
         drop_stale_outputs: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<Py<PyString>>> {
         let drop = strict_bool(drop_stale_outputs, "drop_stale_outputs")?;
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             let ids = st.inner.preempt_all_running(drop).py(py)?;
             ids.iter()
                 .map(|id| {
@@ -363,7 +271,7 @@ impl PyScheduler {
     /// admission) or "paused_all" (nothing; steps still report finished and preempted ids).
     #[getter]
     fn pause_state(&self, py: Python<'_>) -> PyResult<&'static str> {
-        self.state.with(py, |st| Ok(st.inner.pause_state().name()))
+        self.with_state(py, |st| Ok(st.inner.pause_state().name()))
     }
 
     /// Sets the pause state (see `pause_state`); takes effect at the next `schedule()`.
@@ -377,7 +285,7 @@ impl PyScheduler {
             })
         })?;
         let pause = PauseState::from_name(&name).py(py)?;
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             st.inner.set_pause_state(pause);
             Ok(())
         })
@@ -393,21 +301,20 @@ impl PyScheduler {
         request_id: RequestId<'_>,
         hold: bool,
     ) -> PyResult<()> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             st.inner.set_admission_hold(&request_id, hold).py(py)
         })
     }
 
     /// Whether a live request is held back from admission.
     fn is_admission_held(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<bool> {
-        self.state
-            .with(py, |st| st.inner.is_admission_held(&request_id).py(py))
+        self.with_state(py, |st| st.inner.is_admission_held(&request_id).py(py))
     }
 
     /// Held requests the last `schedule()` passed over (the ones its admission loop reached),
     /// in queue order.
     fn held_passed_over(&self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             let slots = st.inner.held_passed_over().to_vec();
             slots.iter().map(|&s| st.ids.id_of(py, s)).collect()
         })
@@ -415,15 +322,14 @@ impl PyScheduler {
 
     /// Blocks held by a live request.
     fn block_ids(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<Vec<u32>> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             Ok(st.live(py, &request_id)?.blocks.block_ids.clone())
         })
     }
 
     /// Computed tokens of a live request.
     fn num_computed_tokens(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<usize> {
-        self.state
-            .with(py, |st| Ok(st.live(py, &request_id)?.num_computed_tokens))
+        self.with_state(py, |st| Ok(st.live(py, &request_id)?.num_computed_tokens))
     }
 
     /// Async scheduling: tokens the steps in flight will still add to a live request (sampled
@@ -433,7 +339,7 @@ impl PyScheduler {
         py: Python<'_>,
         request_id: RequestId<'_>,
     ) -> PyResult<usize> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             Ok(st.live(py, &request_id)?.num_output_placeholders)
         })
     }
@@ -443,7 +349,7 @@ impl PyScheduler {
     /// parent_block_id, block_ids, token_ids)` (parent 0: none; the blocks' tokens, then the
     /// `hash_lookahead_tokens` after the last block), `("removed", block_id)`, `("cleared",)`.
     fn take_kv_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let events = self.state.with(py, |st| Ok(st.inner.take_kv_events()))?;
+        let events = self.with_state(py, |st| Ok(st.inner.take_kv_events()))?;
         let list = PyList::empty(py);
         for e in events {
             let item = match e {
@@ -472,13 +378,12 @@ impl PyScheduler {
 
     /// Known tokens (prompt + outputs) of a live request.
     fn all_token_ids(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<Vec<u32>> {
-        self.state
-            .with(py, |st| Ok(st.live(py, &request_id)?.tokens.clone()))
+        self.with_state(py, |st| Ok(st.live(py, &request_id)?.tokens.clone()))
     }
 
     /// Status of a live request: "waiting", "running" or "preempted".
     fn request_status(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<&'static str> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             Ok(match st.live(py, &request_id)?.status {
                 dflash_core::RequestStatus::Waiting => "waiting",
                 dflash_core::RequestStatus::Running => "running",
@@ -490,7 +395,7 @@ impl PyScheduler {
 
     /// Running request ids, in running order.
     fn running_request_ids(&self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             st.inner
                 .running()
                 .iter()
@@ -501,7 +406,7 @@ impl PyScheduler {
 
     /// Waiting request ids, in admission order.
     fn waiting_request_ids(&self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             st.inner
                 .waiting_in_order()
                 .iter()
@@ -513,30 +418,28 @@ impl PyScheduler {
     /// Lookahead slots the active policy reserves past each running request's scheduled tokens.
     #[getter]
     fn lookahead_tokens(&self, py: Python<'_>) -> PyResult<usize> {
-        self.state.with(py, |st| Ok(st.inner.lookahead_tokens()))
+        self.with_state(py, |st| Ok(st.inner.lookahead_tokens()))
     }
 
     /// Lookahead the ownership contract requires for the configured method (K+1 for DFlash).
     #[getter]
     fn required_lookahead_tokens(&self, py: Python<'_>) -> PyResult<usize> {
-        self.state
-            .with(py, |st| Ok(st.inner.config().required_lookahead()))
+        self.with_state(py, |st| Ok(st.inner.config().required_lookahead()))
     }
 
     #[getter]
     fn kv_cache_usage(&self, py: Python<'_>) -> PyResult<f64> {
-        self.state.with(py, |st| Ok(st.inner.kv().usage()))
+        self.with_state(py, |st| Ok(st.inner.kv().usage()))
     }
 
     #[getter]
     fn num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
-        self.state
-            .with(py, |st| Ok(st.inner.kv().num_free_blocks()))
+        self.with_state(py, |st| Ok(st.inner.kv().num_free_blocks()))
     }
 
     /// Counters: preemptions, prefix-cache queries/hits, speculative drafts/accepted, ...
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             let inner = &st.inner;
             let s = inner.stats();
             let p = inner.prefix_cache_stats();
@@ -578,11 +481,11 @@ impl PyScheduler {
     /// Raises `InvariantError` if any invariant (pool accounting, ref counts, queues, block-table
     /// rows, the lookahead ownership contract) is broken.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        self.state.with(py, |st| st.inner.check_invariants().py(py))
+        self.with_state(py, |st| st.inner.check_invariants().py(py))
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             let inner = &st.inner;
             let c = inner.config();
             Ok(format!(

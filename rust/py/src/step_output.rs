@@ -9,7 +9,7 @@ use pyo3::types::{PyFrozenSet, PyTuple};
 
 use crate::errors::IntoPyResult;
 use crate::outputs::{read_only, LazyParts, PyNewRequestData, PySchedulerOutput, StepTable};
-use crate::scheduler::{PyScheduler, State};
+use crate::scheduler_state::{PyScheduler, State};
 
 impl State {
     /// The output of the step just planned into `self.step`, for the scheduler `slf`.

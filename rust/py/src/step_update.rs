@@ -8,7 +8,7 @@ use pyo3::types::PyList;
 use crate::errors::{invalid, IntoPyResult};
 use crate::outputs::{PyRequestOutput, PySchedulerOutput};
 use crate::runner_output::RunnerOutput;
-use crate::scheduler::{PyScheduler, State};
+use crate::scheduler_state::{PyScheduler, State};
 
 impl State {
     /// Rejects an output of another scheduler.
