@@ -17,6 +17,7 @@ use pyo3::PyTraverseError;
 
 use crate::errors::{type_name, wrong_type};
 use crate::lazy_table::LazyTable;
+use crate::scheduler_state::PyScheduler;
 
 /// `array`, made read-only as `setflags(write=False)` makes it, without a Python call.
 pub fn read_only<'py, A>(array: Bound<'py, A>) -> Bound<'py, A>
@@ -194,7 +195,7 @@ pub struct StepTable {
     /// before it forgets the changes they need).
     lazy: Arc<LazyTable>,
     /// The scheduler that produced the step.
-    scheduler: Py<crate::scheduler_state::PyScheduler>,
+    scheduler: Py<PyScheduler>,
     arrays: PyOnceLock<TableArrays>,
 }
 
@@ -207,11 +208,7 @@ struct TableLease(#[allow(dead_code)] Arc<TableSnapshot>);
 
 impl StepTable {
     /// The table of a step of `rows` entries returned at `version`.
-    pub(crate) fn new(
-        rows: usize,
-        lazy: Arc<LazyTable>,
-        scheduler: Py<crate::scheduler_state::PyScheduler>,
-    ) -> Self {
+    pub(crate) fn new(rows: usize, lazy: Arc<LazyTable>, scheduler: Py<PyScheduler>) -> Self {
         Self {
             rows,
             lazy,
