@@ -17,7 +17,6 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use crate::errors::{invalid, type_name, unless_fatal, wrong_type};
-use crate::outputs::PySchedulerOutput;
 
 /// Largest token id accepted (token ids are int32 on the GPU side).
 pub const MAX_TOKEN_ID: i64 = i32::MAX as i64;
@@ -419,34 +418,6 @@ pub fn request_id(py: Python<'_>, id: &str) -> PyResult<()> {
         return Err(invalid(py, "request_id must be a non-empty string"));
     }
     Ok(())
-}
-
-/// A `SchedulerOutput` argument.
-pub struct OutputArg<'a, 'py>(Borrowed<'a, 'py, PySchedulerOutput>);
-
-impl<'a, 'py> FromPyObject<'a, 'py> for OutputArg<'a, 'py> {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        match obj.cast::<PySchedulerOutput>() {
-            Ok(output) => Ok(OutputArg(output)),
-            Err(_) => Err(wrong_type(
-                obj.py(),
-                format!(
-                    "output must be a SchedulerOutput (from schedule()), got {}",
-                    type_name(&obj)
-                ),
-            )),
-        }
-    }
-}
-
-impl<'py> Deref for OutputArg<'_, 'py> {
-    type Target = Bound<'py, PySchedulerOutput>;
-
-    fn deref(&self) -> &Bound<'py, PySchedulerOutput> {
-        &self.0
-    }
 }
 
 /// Appends the tokens of `obj` when it is an exact `list` or `tuple` of exact `int`s that are

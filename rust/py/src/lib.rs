@@ -1,16 +1,46 @@
 //! `dflash_rs._core`: thin PyO3 bindings over `dflash-core`. This crate only converts types,
 //! maps errors and releases the GIL; all logic lives in the core.
+//!
+//! Modules, bottom-up (each uses only those above it):
+//! - `errors`: core errors mapped onto the exception classes of `dflash_rs.errors`.
+//! - `fast_call`: calls with positional arguments through vectorcall, without a tuple.
+//! - `guarded`: the lock around a pyclass's mutable state (threads, re-entry, panics).
+//! - `convert`: argument conversion with clear errors (token ids, ints, bools, strs).
+//! - `hash_config`: the block hasher from the `hash_algo` / `hash_seed` arguments.
+//! - `scheduler_args`: the Python `SchedulerConfig` and `Request` objects read into core types.
+//! - `draft_dict`: reading the argument of `update_draft_token_ids`.
+//! - `kv_cache_manager`: `dflash_rs.KVCacheManager`.
+//! - `interned_ids`: request ids interned once per request, and the shared `req_ids` tuple.
+//! - `lazy_table`: the steps' block tables, frozen when first read; the journal's upkeep.
+//! - `scheduler_state`: the `Scheduler` object and the state behind its lock.
+//! - `outputs`: the Python views of a step (`SchedulerOutput`, `RequestOutput`, ...).
+//! - `runner_output`: reading the model runner's output for a step.
+//! - `step_output`: assembling the `SchedulerOutput` a step hands out.
+//! - `step_update`: applying a step's output and building the per-request results.
+//! - `draft_install`: installing a drafts dict in the scheduler.
+//! - `scheduler`: `dflash_rs.Scheduler`'s methods.
+//! - `vllm_bridge`: `_VllmBridge`, the vLLM drop-in's per-step objects in one pass.
+//! - `fault_hook`: `_inject_fault`, test-only (feature `fault-injection`).
 
 mod convert;
 mod draft_dict;
+mod draft_install;
 mod errors;
 mod fast_call;
+#[cfg(feature = "fault-injection")]
+mod fault_hook;
 mod guarded;
 mod hash_config;
+mod interned_ids;
 mod kv_cache_manager;
+mod lazy_table;
 mod outputs;
+mod runner_output;
 mod scheduler;
 mod scheduler_args;
+mod scheduler_state;
+mod step_output;
+mod step_update;
 mod vllm_bridge;
 
 use pyo3::prelude::*;
@@ -30,7 +60,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::resolve_classes(m.py())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<kv_cache_manager::PyKvCacheManager>()?;
-    m.add_class::<scheduler::PyScheduler>()?;
+    m.add_class::<scheduler_state::PyScheduler>()?;
     m.add_class::<outputs::PySchedulerOutput>()?;
     m.add_class::<outputs::PyNewRequestData>()?;
     m.add_class::<outputs::PyCachedRequestData>()?;
@@ -58,7 +88,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(feature = "fault-injection")]
     m.setattr(
         "_inject_fault",
-        wrap_pyfunction!(scheduler::inject_fault, m)?,
+        wrap_pyfunction!(fault_hook::inject_fault, m)?,
     )?;
     Ok(())
 }

@@ -1,7 +1,9 @@
 //! Python views of one step: `SchedulerOutput` (with zero-copy block-table arrays and lazily
-//! built dicts), `NewRequestData`, `CachedRequestData`, `RequestOutput` and `UpdateResult`.
+//! built dicts) and the `OutputArg` that takes one back, `NewRequestData`,
+//! `CachedRequestData`, `RequestOutput` and `UpdateResult`.
 
-use std::sync::{Arc, OnceLock};
+use std::ops::Deref;
+use std::sync::Arc;
 
 use dflash_core::{FinishReason, TableSnapshot};
 use numpy::ndarray::{ArrayView1, ArrayView2};
@@ -12,6 +14,10 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyFrozenSet, PyList, PySet, PyString, PyTuple};
 use pyo3::PyTraverseError;
+
+use crate::errors::{type_name, wrong_type};
+use crate::lazy_table::LazyTable;
+use crate::scheduler_state::PyScheduler;
 
 /// `array`, made read-only as `setflags(write=False)` makes it, without a Python call.
 pub fn read_only<'py, A>(array: Bound<'py, A>) -> Bound<'py, A>
@@ -184,26 +190,17 @@ pub struct PySchedulerOutput {
 /// from, and its arrays once read.
 pub struct StepTable {
     /// Rows of the step.
-    pub rows: usize,
+    rows: usize,
     /// Version and frozen copy, shared with the scheduler (which freezes unread tables itself
     /// before it forgets the changes they need).
-    pub lazy: Arc<LazyTable>,
+    lazy: Arc<LazyTable>,
     /// The scheduler that produced the step.
-    pub scheduler: Py<crate::scheduler::PyScheduler>,
+    scheduler: Py<PyScheduler>,
     arrays: PyOnceLock<TableArrays>,
 }
 
 /// `(block_table, num_blocks_per_row)` of a step.
 type TableArrays = (Py<PyArray2<i32>>, Py<PyArray1<i32>>);
-
-/// The version of the table a step was returned at, and its snapshot once made.
-#[derive(Debug)]
-pub struct LazyTable {
-    /// The table's version when the step was returned.
-    pub version: u64,
-    /// The snapshot, once made.
-    pub snapshot: OnceLock<Arc<TableSnapshot>>,
-}
 
 /// Keeps a step's block-table snapshot alive: the base object of its numpy arrays.
 #[pyclass(module = "dflash_rs._core", name = "_BlockTableSnapshot", frozen)]
@@ -211,11 +208,7 @@ struct TableLease(#[allow(dead_code)] Arc<TableSnapshot>);
 
 impl StepTable {
     /// The table of a step of `rows` entries returned at `version`.
-    pub fn new(
-        rows: usize,
-        lazy: Arc<LazyTable>,
-        scheduler: Py<crate::scheduler::PyScheduler>,
-    ) -> Self {
+    pub(crate) fn new(rows: usize, lazy: Arc<LazyTable>, scheduler: Py<PyScheduler>) -> Self {
         Self {
             rows,
             lazy,
@@ -423,6 +416,34 @@ impl PySchedulerOutput {
             self.finished_req_ids.bind(py).len(),
             self.preempted_req_ids.bind(py).len()
         )
+    }
+}
+
+/// A `SchedulerOutput` argument.
+pub(crate) struct OutputArg<'a, 'py>(Borrowed<'a, 'py, PySchedulerOutput>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for OutputArg<'a, 'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.cast::<PySchedulerOutput>() {
+            Ok(output) => Ok(OutputArg(output)),
+            Err(_) => Err(wrong_type(
+                obj.py(),
+                format!(
+                    "output must be a SchedulerOutput (from schedule()), got {}",
+                    type_name(&obj)
+                ),
+            )),
+        }
+    }
+}
+
+impl<'py> Deref for OutputArg<'_, 'py> {
+    type Target = Bound<'py, PySchedulerOutput>;
+
+    fn deref(&self) -> &Bound<'py, PySchedulerOutput> {
+        &self.0
     }
 }
 

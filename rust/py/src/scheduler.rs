@@ -1,575 +1,50 @@
-//! `dflash_rs.Scheduler`: the per-step loop in Rust, crossing into Python once per call with
-//! flat arrays. Request ids are interned once per request, so a step creates no Python string
-//! and no Python object per block.
+//! `dflash_rs.Scheduler`'s methods: the per-step loop in Rust, crossing into Python once per
+//! call with flat arrays. Each method converts its arguments, runs the core under the lock and
+//! maps errors; the object and its state are in `scheduler_state.rs`, the jobs on the state in
+//! `step_output.rs`, `step_update.rs` and `draft_install.rs`.
 
-use std::sync::{Arc, OnceLock, Weak};
-
-use dflash_core::{
-    CoreError, EntryKind, KvEvent, PauseState, Scheduler, SnapshotPool, StepOutput, TableSnapshot,
-    UpdateOutput,
-};
-use hashbrown::HashMap;
-use numpy::PyArray1;
+use dflash_core::{CoreError, KvEvent, PauseState};
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyFrozenSet, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use pyo3::PyTraverseError;
 use std::borrow::Cow;
 
-use crate::convert::{
-    flat_exact_token_lists, strict_bool, token_ids, Flag, OutputArg, RequestId, Text,
-};
-use crate::draft_dict::{self, LiveDrafts};
-use crate::errors::{invalid, to_py, unless_fatal, wrong_type, IntoPyResult};
-use crate::guarded::Guarded;
-use crate::outputs::{
-    read_only, LazyParts, LazyTable, PyNewRequestData, PyRequestOutput, PySchedulerOutput,
-    PyUpdateResult, StepTable,
-};
-use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec, runner_attr};
-
-/// Continuous-batching scheduler with DFlash-safe lookahead allocation.
-///
-/// Safe to share between Python threads: calls are serialised by an internal lock (see
-/// [`Guarded`]), and the GIL is released around the O(batch) work.
-#[pyclass(module = "dflash_rs._core", name = "Scheduler", frozen, weakref)]
-pub struct PyScheduler {
-    state: Guarded<State>,
-    config: Py<PyAny>,
-    /// The core configuration's `max_model_len` (sizes a request's vectors before the lock).
-    max_model_len: usize,
-}
-
-/// The scheduler's mutable state, behind the lock.
-pub(crate) struct State {
-    pub(crate) inner: Scheduler,
-    /// Interned request id per slot.
-    ids: Vec<Option<Py<PyString>>>,
-    /// Number of `Some` entries in `ids`.
-    num_interned: usize,
-    /// Slot of each interned id by the address of its str, to resolve the ids the scheduler
-    /// handed out without reading them. A hint only: see [`State::slot_by_identity`].
-    slot_of_interned: HashMap<usize, u32>,
-    step: StepOutput,
-    pub(crate) update: UpdateOutput,
-    /// The last step's `req_ids` tuple, handed out again while the batch is unchanged.
-    last_req_ids: Option<Py<PyTuple>>,
-    /// Frozen block tables of the steps handed out.
-    snapshots: SnapshotPool,
-    /// Tables of steps handed out and not read yet, oldest first: the journal keeps what they
-    /// need, or they are frozen before it forgets.
-    unread: Vec<Weak<LazyTable>>,
-    /// Journaled table changes past which the journal is trimmed.
-    journal_cap: usize,
-}
-
-impl State {
-    fn intern_id(&mut self, py: Python<'_>, slot: u32, id: &str) {
-        let s = slot as usize;
-        if self.ids.len() <= s {
-            self.ids.resize_with(s + 1, || None);
-        }
-        let interned = PyString::new(py, id).unbind();
-        let key = interned.as_ptr() as usize;
-        match self.ids[s].replace(interned) {
-            Some(old) => forget_interned(&mut self.slot_of_interned, &old, slot),
-            None => self.num_interned += 1,
-        }
-        self.slot_of_interned.insert(key, slot);
-    }
-
-    pub(crate) fn id_of(&self, py: Python<'_>, slot: u32) -> PyResult<Py<PyString>> {
-        self.ids
-            .get(slot as usize)
-            .and_then(|x| x.as_ref())
-            .map(|s| s.clone_ref(py))
-            .ok_or_else(|| {
-                to_py(
-                    py,
-                    CoreError::Invariant(format!("slot {slot} has no interned id")),
-                )
-            })
-    }
-
-    /// Drops interned ids of slots whose requests are gone (a scan only when some are).
-    pub(crate) fn forget_finished(&mut self) {
-        if self.num_interned == self.inner.num_unfinished() {
-            return;
-        }
-        self.num_interned = self.inner.num_unfinished();
-        for (slot, id) in self.ids.iter_mut().enumerate() {
-            if id.is_some() && self.inner.requests().get(slot as u32).is_err() {
-                if let Some(gone) = id.take() {
-                    forget_interned(&mut self.slot_of_interned, &gone, slot as u32);
-                }
-            }
-        }
-    }
-
-    /// The live request (slot, generation) that `id` names when it is the very str interned
-    /// for it. Holding that str keeps its address unique, and a slot's interned id is its
-    /// latest request's, so identity settles it; any other str is looked up by its text.
-    fn slot_by_identity(&self, id: Borrowed<'_, '_, PyString>) -> Option<(u32, u32)> {
-        let &slot = self.slot_of_interned.get(&(id.as_ptr() as usize))?;
-        let interned = self.ids.get(slot as usize)?.as_ref()?;
-        if interned.as_ptr() != id.as_ptr() {
-            return None;
-        }
-        let generation = self.inner.requests().slot_of_generation(slot)?;
-        Some((slot, generation))
-    }
-
-    /// The live request (slot, generation) with id `id`.
-    fn slot_by_text(&self, id: &str) -> Option<(u32, u32)> {
-        let slot = self.inner.slot_of(id)?;
-        let generation = self.inner.requests().slot_of_generation(slot)?;
-        Some((slot, generation))
-    }
-
-    /// `update_draft_token_ids` of a dict the one-pass read takes (None for any other).
-    fn install_exact_draft_dict(
-        &mut self,
-        py: Python<'_>,
-        dict: &Bound<'_, PyDict>,
-    ) -> PyResult<Option<usize>> {
-        let k = self.inner.config().num_speculative_tokens;
-        let live = draft_dict::read_exact(dict, k, |id| match self.slot_by_identity(id) {
-            Some(found) => Ok(Some(found)),
-            None => Ok(self.slot_by_text(&draft_dict::key_text(id)?)),
-        })?;
-        match live {
-            Some(live) => self.install_live_drafts(py, &live).map(Some),
-            None => Ok(None),
-        }
-    }
-
-    /// Installs drafts of live requests (the core skips waiting and prefill-chunk ones).
-    fn install_live_drafts(&mut self, py: Python<'_>, live: &LiveDrafts) -> PyResult<usize> {
-        self.inner
-            .update_draft_token_ids_for_slots(&live.slots, &live.tokens, &live.counts)
-            .py(py)
-    }
-
-    /// The batch's request ids as a tuple: the previous step's tuple when it holds exactly
-    /// these ids (a steady decode batch), so a step touches no string object; a new one
-    /// otherwise. Sharing is safe because a tuple of str cannot change.
-    fn req_ids_tuple<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let slots = &self.step.slots;
-        if let Some(prev) = &self.last_req_ids {
-            let tuple = prev.bind(py);
-            let unchanged = tuple.len() == slots.len()
-                && slots.iter().zip(tuple.iter_borrowed()).all(|(&slot, item)| {
-                    matches!(self.ids.get(slot as usize), Some(Some(id)) if item.is(id))
-                });
-            if unchanged {
-                return Ok(tuple.clone());
-            }
-        }
-        let ids = slots
-            .iter()
-            .map(|&slot| self.id_of(py, slot))
-            .collect::<PyResult<Vec<_>>>()?;
-        let tuple = PyTuple::new(py, ids)?;
-        self.last_req_ids = Some(tuple.clone().unbind());
-        Ok(tuple)
-    }
-
-    /// Freezes `lazy`'s table (at its version) unless done: a snapshot nothing changes while
-    /// held.
-    fn freeze(&mut self, py: Python<'_>, lazy: &LazyTable) -> PyResult<Arc<TableSnapshot>> {
-        if let Some(s) = lazy.snapshot.get() {
-            return Ok(s.clone());
-        }
-        let snapshot = self
-            .snapshots
-            .take(self.inner.block_table(), lazy.version)
-            .py(py)?;
-        Ok(lazy.snapshot.get_or_init(|| snapshot).clone())
-    }
-
-    /// Bounds the table's journal: once it holds more than `journal_cap` changes, the unread
-    /// tables that need its older half are frozen and that half is dropped.
-    fn maintain_journal(&mut self, py: Python<'_>) -> PyResult<()> {
-        let Some(journal) = self.inner.block_table().journal() else {
-            return Ok(());
-        };
-        let over = journal.len() > self.journal_cap;
-        if !over && self.unread.len() < 64 {
-            return Ok(());
-        }
-        let unread_now = |w: &Weak<LazyTable>| w.upgrade().filter(|t| t.snapshot.get().is_none());
-        self.unread.retain(|w| unread_now(w).is_some());
-        if !over {
-            return Ok(());
-        }
-        let cutoff = journal.end() - (self.journal_cap / 2) as u64;
-        for table in self.unread.clone().iter().filter_map(unread_now) {
-            if table.version < cutoff {
-                self.freeze(py, &table)?;
-            }
-        }
-        self.unread.retain(|w| unread_now(w).is_some());
-        self.inner.trim_block_table_journal(cutoff);
-        Ok(())
-    }
-
-    fn build_output(&mut self, slf: &Bound<'_, PyScheduler>) -> PyResult<PySchedulerOutput> {
-        let py = slf.py();
-        self.maintain_journal(py)?;
-        let req_ids = self.req_ids_tuple(py)?;
-        let lazy = Arc::new(LazyTable {
-            version: self.inner.block_table().version(),
-            snapshot: OnceLock::new(),
-        });
-        self.unread.push(Arc::downgrade(&lazy));
-        let this = &*self;
-        let step = &this.step;
-        let n = step.num_reqs();
-        let table = StepTable::new(n, lazy, slf.clone().unbind());
-        let mut new_reqs = Vec::new();
-        let mut kinds = Vec::with_capacity(n);
-        for (i, kind) in step.kinds.iter().enumerate() {
-            kinds.push(match kind {
-                EntryKind::Running => 0u8,
-                EntryKind::New => 1,
-                EntryKind::Resumed => 2,
-            });
-            if *kind != EntryKind::Running {
-                let r = this.inner.requests().get(step.slots[i]).py(py)?;
-                let data = PyNewRequestData::new(
-                    this.id_of(py, step.slots[i])?,
-                    step.num_computed_tokens[i] as usize,
-                    *kind == EntryKind::Resumed,
-                    r.tokens.clone(),
-                    r.num_prompt_tokens(),
-                    r.blocks.block_ids.clone(),
-                );
-                new_reqs.push(Py::new(py, data)?);
-            }
-        }
-        let finished = PyFrozenSet::new(py, &step.finished_req_ids)?;
-        let preempted = PyFrozenSet::new(py, &step.preempted_req_ids)?;
-        let parts = LazyParts {
-            num_scheduled: step.num_scheduled_tokens.clone(),
-            kinds,
-            spec_tokens: step.spec_token_ids.clone(),
-            spec_counts: step.num_spec_tokens.clone(),
-            new_blocks: step.new_block_ids.clone(),
-            new_block_counts: step.num_new_blocks.clone(),
-            num_computed: step.num_computed_tokens.clone(),
-            slots: step
-                .slots
-                .iter()
-                .copied()
-                .zip(step.generations.iter().copied())
-                .collect(),
-            num_output_placeholders: step.num_output_placeholders.clone(),
-            scheduler_uid: step.scheduler_uid,
-        };
-        Ok(PySchedulerOutput::new(
-            step.step_id,
-            req_ids.unbind(),
-            step.total_num_scheduled_tokens,
-            read_only(PyArray1::from_slice(py, &step.num_scheduled_tokens)).unbind(),
-            read_only(PyArray1::from_slice(py, &step.num_computed_tokens)).unbind(),
-            read_only(PyArray1::from_slice(py, &step.query_start_loc)).unbind(),
-            read_only(PyArray1::from_slice(py, &step.is_prefill_chunk)).unbind(),
-            finished.unbind(),
-            preempted.unbind(),
-            PyTuple::new(py, new_reqs)?.unbind(),
-            step.num_lookahead_tokens,
-            parts,
-            table,
-        ))
-    }
-
-    /// Sampled tokens as flat tokens + counts, from lists or arrays.
-    fn sampled_from_runner(
-        py: Python<'_>,
-        runner: &Bound<'_, PyAny>,
-    ) -> PyResult<(Vec<u32>, Vec<u32>)> {
-        let flat = runner_attr(runner, intern!(py, "sampled_tokens_flat"))?;
-        if !flat.is_none() {
-            let tokens = token_ids(&flat, "sampled_tokens_flat")?;
-            let counts = token_ids(
-                &runner_attr(runner, intern!(py, "num_sampled_tokens"))?,
-                "num_sampled_tokens",
-            )?;
-            return Ok((tokens, counts));
-        }
-        let lists = runner_attr(runner, intern!(py, "sampled_token_ids"))?;
-        let mut tokens = Vec::new();
-        let mut counts = Vec::new();
-        if flat_exact_token_lists(&lists, &mut tokens, &mut counts) {
-            return Ok((tokens, counts));
-        }
-        for (i, item) in lists
-            .try_iter()
-            .map_err(|e| {
-                unless_fatal(py, e, || {
-                    invalid(py, "sampled_token_ids must be a sequence")
-                })
-            })?
-            .enumerate()
-        {
-            let item = item?;
-            let t = token_ids(&item, format_args!("sampled_token_ids[{i}]"))?;
-            counts.push(t.len() as u32);
-            tokens.extend_from_slice(&t);
-        }
-        Ok((tokens, counts))
-    }
-
-    /// The runner's drafts for the next step (one token list per batch entry) as flat tokens
-    /// + counts.
-    fn drafts_from_runner(
-        py: Python<'_>,
-        drafts: &Bound<'_, PyAny>,
-    ) -> PyResult<(Vec<u32>, Vec<u32>)> {
-        let mut tokens = Vec::new();
-        let mut counts = Vec::new();
-        if flat_exact_token_lists(drafts, &mut tokens, &mut counts) {
-            return Ok((tokens, counts));
-        }
-        let not_lists = || {
-            wrong_type(
-                py,
-                "draft_token_ids must be a sequence of token lists (one per request) or None",
-            )
-        };
-        let items = drafts
-            .try_iter()
-            .map_err(|e| unless_fatal(py, e, not_lists))?;
-        for (i, item) in items.enumerate() {
-            let t = token_ids(&item?, format_args!("draft_token_ids[{i}]"))?;
-            counts.push(t.len() as u32);
-            tokens.extend_from_slice(&t);
-        }
-        Ok((tokens, counts))
-    }
-
-    /// Rejects an output of another scheduler.
-    pub(crate) fn check_owner(&self, py: Python<'_>, output: &PySchedulerOutput) -> PyResult<()> {
-        if output.parts.scheduler_uid != self.inner.uid() {
-            return Err(invalid(
-                py,
-                "this SchedulerOutput was produced by another Scheduler",
-            ));
-        }
-        Ok(())
-    }
-
-    /// Checks that `runner_ids` names the step's requests in its order, element by element
-    /// (never trusted by identity: a list handed back may have been changed since).
-    pub(crate) fn check_req_ids(
-        py: Python<'_>,
-        output: &PySchedulerOutput,
-        runner_ids: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
-        let expected = output.req_ids.bind(py);
-        let n = runner_ids.len().map_err(|e| {
-            unless_fatal(py, e, || invalid(py, "req_ids must be a sequence of str"))
-        })?;
-        if n != expected.len() {
-            return Err(invalid(
-                py,
-                format!(
-                    "ModelRunnerOutput has {n} req_ids but the step scheduled {}",
-                    expected.len()
-                ),
-            ));
-        }
-        let mismatch = |i: usize, a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>| {
-            invalid(
-                py,
-                format!("ModelRunnerOutput.req_ids[{i}] = {a} but the step scheduled {b} there"),
-            )
-        };
-        // Lists and tuples: the ids are the scheduler's own interned strings, so a pointer
-        // compare settles almost every element.
-        if let Ok(list) = runner_ids.cast::<PyList>() {
-            for (i, b) in expected.iter_borrowed().enumerate() {
-                let a = list.get_item(i)?;
-                if !a.is(&*b) && !a.eq(&*b)? {
-                    return Err(mismatch(i, &a, &b));
-                }
-            }
-            return Ok(());
-        }
-        if let Ok(tuple) = runner_ids.cast::<PyTuple>() {
-            for (i, (a, b)) in tuple
-                .iter_borrowed()
-                .zip(expected.iter_borrowed())
-                .enumerate()
-            {
-                if !a.is(&*b) && !a.eq(&*b)? {
-                    return Err(mismatch(i, &a, &b));
-                }
-            }
-            return Ok(());
-        }
-        for (i, (a, b)) in runner_ids.try_iter()?.zip(expected.iter()).enumerate() {
-            let a = a?;
-            if !a.is(&b) && !a.eq(&b)? {
-                return Err(mismatch(i, &a, &b));
-            }
-        }
-        Ok(())
-    }
-
-    /// Applies sampled tokens (flat, with per-entry counts in batch order) to `out`'s step.
-    pub(crate) fn apply_tokens(
-        &mut self,
-        py: Python<'_>,
-        out: &PySchedulerOutput,
-        tokens: &[u32],
-        counts: &[u32],
-    ) -> PyResult<()> {
-        self.check_owner(py, out)?;
-        if out.parts.slots.is_empty() && !tokens.is_empty() {
-            // An empty step awaits no output (the core only reports what ended meanwhile).
-            return Err(invalid(
-                py,
-                "sampled tokens were given for a step that scheduled nothing",
-            ));
-        }
-        let step_id = out.step_id;
-        let (inner, update) = (&mut self.inner, &mut self.update);
-        py.detach(|| inner.update_from_output(step_id, tokens, counts, update))
-            .py(py)
-    }
-
-    /// A live request by id.
-    fn live(&self, py: Python<'_>, request_id: &str) -> PyResult<&dflash_core::Request> {
-        let slot = self
-            .inner
-            .slot_of(request_id)
-            .ok_or_else(|| to_py(py, CoreError::UnknownRequest(request_id.to_owned())))?;
-        self.inner.requests().get(slot).py(py)
-    }
-
-    /// One `RequestOutput` per request in the last update, in batch order, then one per request
-    /// the scheduler ended on its own (no tokens).
-    fn request_outputs(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        let update = &self.update;
-        let mut outputs = Vec::with_capacity(update.updates.len() + update.ended.len());
-        for u in &update.updates {
-            let ro = Bound::new(
-                py,
-                PyRequestOutput::new(
-                    py,
-                    self.id_of(py, u.slot)?,
-                    &update.new_token_ids[u.tokens_start as usize..u.tokens_end as usize],
-                    u.finish_reason,
-                    u.finish_reason.and(u.stop_token),
-                )?,
-            )?;
-            // A RequestOutput holds only strs, ints, None and Rust data, so it can never be
-            // part of a reference cycle; untracking it keeps one object per request per step out of the
-            // garbage collector's young generation (one reused from the free list is
-            // untracked already).
-            // SAFETY: `ro` is a live object of a GC type; untracking an object is valid.
-            unsafe { pyo3::ffi::PyObject_GC_UnTrack(ro.as_ptr().cast()) };
-            outputs.push(ro.into_any());
-        }
-        for e in &update.ended {
-            outputs.push(Bound::new(py, PyRequestOutput::ended(py, e)?)?.into_any());
-        }
-        Ok(PyList::new(py, outputs)?.unbind())
-    }
-}
-
-/// Drops `id`'s entry of the identity map if it still names `slot` (one-character ids are
-/// shared strs, so a stale slot's id may be a live request's too).
-fn forget_interned(map: &mut HashMap<usize, u32>, id: &Py<PyString>, slot: u32) {
-    let key = id.as_ptr() as usize;
-    if map.get(&key) == Some(&slot) {
-        map.remove(&key);
-    }
-}
-
-impl PyScheduler {
-    /// Runs `f` on the scheduler's state, holding it (for the vLLM bridge).
-    pub(crate) fn with_state<R>(
-        &self,
-        py: Python<'_>,
-        f: impl FnOnce(&mut State) -> PyResult<R>,
-    ) -> PyResult<R> {
-        self.state.with(py, f)
-    }
-
-    /// Freezes a step's table (see [`State::freeze`]): called when it is first read.
-    pub fn freeze_table(&self, py: Python<'_>, lazy: &LazyTable) -> PyResult<Arc<TableSnapshot>> {
-        self.state.with(py, |st| st.freeze(py, lazy))
-    }
-}
+use crate::convert::{strict_bool, token_ids, Flag, RequestId, Text};
+use crate::draft_dict;
+use crate::errors::{to_py, unless_fatal, wrong_type, IntoPyResult};
+use crate::outputs::{OutputArg, PySchedulerOutput, PyUpdateResult};
+use crate::scheduler_args::{config_from_py, finish_reason_from_name, request_spec};
+use crate::scheduler_state::PyScheduler;
 
 #[pymethods]
 impl PyScheduler {
     #[new]
     fn new(py: Python<'_>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
         let core_config = config_from_py(config)?;
-        let max_model_len = core_config.max_model_len;
-        let mut inner = Scheduler::new(core_config).py(py)?;
-        inner.enable_block_table_journal();
-        // A few steps of appends (one change per block), and no more: at 16 bytes a change it
-        // stays in cache, written for every block allocated.
-        let journal_cap = inner
-            .config()
-            .max_num_seqs
-            .saturating_mul(4)
-            .clamp(4096, 1 << 20);
-        let state = State {
-            inner,
-            ids: Vec::new(),
-            num_interned: 0,
-            slot_of_interned: HashMap::new(),
-            step: StepOutput::default(),
-            update: UpdateOutput::default(),
-            last_req_ids: None,
-            snapshots: SnapshotPool::new(),
-            unread: Vec::new(),
-            journal_cap,
-        };
-        Ok(Self {
-            state: Guarded::new(state, "Scheduler"),
-            config: config.clone().unbind(),
-            max_model_len,
-        })
+        Self::create(py, core_config, config.clone().unbind())
     }
 
     /// The configuration this scheduler was built from.
     #[getter]
     fn config(&self, py: Python<'_>) -> Py<PyAny> {
-        self.config.clone_ref(py)
+        self.config_object().clone_ref(py)
     }
 
-    /// Garbage-collector support: the config and the Python objects the state holds. Skips the
-    /// state while a call holds it (the collector then sees fewer references, which can only
-    /// keep objects alive, never free one in use). No `__clear__`: the config is immutable
-    /// here, so a cycle through it is broken where it is mutable (the config's attributes); the
-    /// state holds only strs and tuples of strs, which can close no cycle.
+    /// Garbage-collector support (see [`PyScheduler::traverse`]).
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.config)?;
-        self.state
-            .try_peek(|st| {
-                for id in &st.ids {
-                    visit.call(id)?;
-                }
-                visit.call(&st.last_req_ids)
-            })
-            .unwrap_or(Ok(()))
+        self.traverse(visit)
     }
 
     /// Enqueues a request (hashing its prompt blocks in Rust).
     fn add_request(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
-        let spec = request_spec(request, self.max_model_len)?;
+        let spec = request_spec(request, self.max_model_len())?;
         let id = spec.request_id.clone();
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             let inner = &mut st.inner;
             let slot = py.detach(|| inner.add_request(spec)).py(py)?;
-            st.intern_id(py, slot, &id);
+            st.ids.intern(py, slot, &id);
             Ok(())
         })
     }
@@ -582,7 +57,7 @@ impl PyScheduler {
     fn schedule(slf: &Bound<'_, Self>, throttle_prefills: Flag) -> PyResult<PySchedulerOutput> {
         let py = slf.py();
         let Flag(throttle) = throttle_prefills;
-        slf.get().state.with(py, |st| {
+        slf.get().with_state(py, |st| {
             let (inner, step) = (&mut st.inner, &mut st.step);
             py.detach(|| inner.schedule_throttled(step, throttle))
                 .py(py)?;
@@ -595,8 +70,7 @@ impl PyScheduler {
     /// drains the queue.
     #[getter]
     fn prefill_capacity_bound(&self, py: Python<'_>) -> PyResult<bool> {
-        self.state
-            .with(py, |st| Ok(st.inner.prefill_capacity_bound()))
+        self.with_state(py, |st| Ok(st.inner.prefill_capacity_bound()))
     }
 
     /// Applies the model's output for `output`'s step; returns one `RequestOutput` per request
@@ -622,7 +96,7 @@ impl PyScheduler {
     ) -> PyResult<PyUpdateResult> {
         let slots = &output.get().parts.slots;
         self.apply_output(py, &output, runner_output, |st| {
-            PyUpdateResult::build(py, &st.update, slots, |slot| st.id_of(py, slot))
+            PyUpdateResult::build(py, &st.update, slots, |slot| st.ids.id_of(py, slot))
         })
     }
 
@@ -636,7 +110,7 @@ impl PyScheduler {
         output: &Bound<'_, PySchedulerOutput>,
     ) -> PyResult<usize> {
         let out = output.get();
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             st.check_owner(py, out)?;
             if out.parts.slots.is_empty() {
                 return Ok(0); // an empty step awaits no output
@@ -653,18 +127,11 @@ impl PyScheduler {
         draft_token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let dict = draft_dict::as_draft_dict(draft_token_ids)?;
-        if let Some(applied) = self
-            .state
-            .with(py, |st| st.install_exact_draft_dict(py, &dict))?
-        {
+        if let Some(applied) = self.with_state(py, |st| st.install_exact_draft_dict(py, &dict))? {
             return Ok(applied);
         }
         let drafts = draft_dict::read_general(&dict)?;
-        self.state.with(py, |st| {
-            let k = st.inner.config().num_speculative_tokens;
-            let live = drafts.resolve(py, k, |id| st.slot_by_text(id))?;
-            st.install_live_drafts(py, &live)
-        })
+        self.with_state(py, |st| st.install_draft_texts(py, &drafts))
     }
 
     /// Drafts for the requests of `output`'s batch, as flat tokens + per-request counts
@@ -679,7 +146,7 @@ impl PyScheduler {
         let tokens = token_ids(draft_tokens, "draft_tokens")?;
         let counts = token_ids(num_draft_tokens, "num_draft_tokens")?;
         let out = output.get();
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             st.check_owner(py, out)?;
             st.inner
                 .update_draft_token_ids_for_slots(&out.parts.slots, &tokens, &counts)
@@ -719,7 +186,7 @@ impl PyScheduler {
             }
             ids
         };
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             let done = st
                 .inner
                 .finish_requests(ids.iter().map(String::as_str), reason)
@@ -731,21 +198,20 @@ impl PyScheduler {
 
     /// Whether the id is live (waiting or running).
     fn has_request(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<bool> {
-        self.state
-            .with(py, |st| Ok(st.inner.slot_of(&request_id).is_some()))
+        self.with_state(py, |st| Ok(st.inner.slot_of(&request_id).is_some()))
     }
 
     fn has_unfinished_requests(&self, py: Python<'_>) -> PyResult<bool> {
-        self.state.with(py, |st| Ok(st.inner.num_unfinished() > 0))
+        self.with_state(py, |st| Ok(st.inner.num_unfinished() > 0))
     }
 
     fn get_num_unfinished_requests(&self, py: Python<'_>) -> PyResult<usize> {
-        self.state.with(py, |st| Ok(st.inner.num_unfinished()))
+        self.with_state(py, |st| Ok(st.inner.num_unfinished()))
     }
 
     /// (running, waiting) counts.
     fn get_request_counts(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             Ok((st.inner.running().len(), st.inner.num_waiting()))
         })
     }
@@ -767,9 +233,9 @@ impl PyScheduler {
             None => false,
         };
         if !preempt {
-            return self.state.with(py, |st| Ok(st.inner.reset_prefix_cache()));
+            return self.with_state(py, |st| Ok(st.inner.reset_prefix_cache()));
         }
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             st.inner.reset_prefix_cache_preempting_running().py(py)?;
             Ok(true)
         })
@@ -787,7 +253,7 @@ impl PyScheduler {
         drop_stale_outputs: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<Py<PyString>>> {
         let drop = strict_bool(drop_stale_outputs, "drop_stale_outputs")?;
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             let ids = st.inner.preempt_all_running(drop).py(py)?;
             ids.iter()
                 .map(|id| {
@@ -795,7 +261,7 @@ impl PyScheduler {
                         .inner
                         .slot_of(id)
                         .ok_or_else(|| to_py(py, CoreError::Invariant(format!("{id} vanished"))))?;
-                    st.id_of(py, slot)
+                    st.ids.id_of(py, slot)
                 })
                 .collect()
         })
@@ -805,7 +271,7 @@ impl PyScheduler {
     /// admission) or "paused_all" (nothing; steps still report finished and preempted ids).
     #[getter]
     fn pause_state(&self, py: Python<'_>) -> PyResult<&'static str> {
-        self.state.with(py, |st| Ok(st.inner.pause_state().name()))
+        self.with_state(py, |st| Ok(st.inner.pause_state().name()))
     }
 
     /// Sets the pause state (see `pause_state`); takes effect at the next `schedule()`.
@@ -819,7 +285,7 @@ impl PyScheduler {
             })
         })?;
         let pause = PauseState::from_name(&name).py(py)?;
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             st.inner.set_pause_state(pause);
             Ok(())
         })
@@ -835,37 +301,35 @@ impl PyScheduler {
         request_id: RequestId<'_>,
         hold: bool,
     ) -> PyResult<()> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             st.inner.set_admission_hold(&request_id, hold).py(py)
         })
     }
 
     /// Whether a live request is held back from admission.
     fn is_admission_held(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<bool> {
-        self.state
-            .with(py, |st| st.inner.is_admission_held(&request_id).py(py))
+        self.with_state(py, |st| st.inner.is_admission_held(&request_id).py(py))
     }
 
     /// Held requests the last `schedule()` passed over (the ones its admission loop reached),
     /// in queue order.
     fn held_passed_over(&self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             let slots = st.inner.held_passed_over().to_vec();
-            slots.iter().map(|&s| st.id_of(py, s)).collect()
+            slots.iter().map(|&s| st.ids.id_of(py, s)).collect()
         })
     }
 
     /// Blocks held by a live request.
     fn block_ids(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<Vec<u32>> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             Ok(st.live(py, &request_id)?.blocks.block_ids.clone())
         })
     }
 
     /// Computed tokens of a live request.
     fn num_computed_tokens(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<usize> {
-        self.state
-            .with(py, |st| Ok(st.live(py, &request_id)?.num_computed_tokens))
+        self.with_state(py, |st| Ok(st.live(py, &request_id)?.num_computed_tokens))
     }
 
     /// Async scheduling: tokens the steps in flight will still add to a live request (sampled
@@ -875,7 +339,7 @@ impl PyScheduler {
         py: Python<'_>,
         request_id: RequestId<'_>,
     ) -> PyResult<usize> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             Ok(st.live(py, &request_id)?.num_output_placeholders)
         })
     }
@@ -885,7 +349,7 @@ impl PyScheduler {
     /// parent_block_id, block_ids, token_ids)` (parent 0: none; the blocks' tokens, then the
     /// `hash_lookahead_tokens` after the last block), `("removed", block_id)`, `("cleared",)`.
     fn take_kv_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let events = self.state.with(py, |st| Ok(st.inner.take_kv_events()))?;
+        let events = self.with_state(py, |st| Ok(st.inner.take_kv_events()))?;
         let list = PyList::empty(py);
         for e in events {
             let item = match e {
@@ -914,13 +378,12 @@ impl PyScheduler {
 
     /// Known tokens (prompt + outputs) of a live request.
     fn all_token_ids(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<Vec<u32>> {
-        self.state
-            .with(py, |st| Ok(st.live(py, &request_id)?.tokens.clone()))
+        self.with_state(py, |st| Ok(st.live(py, &request_id)?.tokens.clone()))
     }
 
     /// Status of a live request: "waiting", "running" or "preempted".
     fn request_status(&self, py: Python<'_>, request_id: RequestId<'_>) -> PyResult<&'static str> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             Ok(match st.live(py, &request_id)?.status {
                 dflash_core::RequestStatus::Waiting => "waiting",
                 dflash_core::RequestStatus::Running => "running",
@@ -932,22 +395,22 @@ impl PyScheduler {
 
     /// Running request ids, in running order.
     fn running_request_ids(&self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             st.inner
                 .running()
                 .iter()
-                .map(|&s| st.id_of(py, s))
+                .map(|&s| st.ids.id_of(py, s))
                 .collect()
         })
     }
 
     /// Waiting request ids, in admission order.
     fn waiting_request_ids(&self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             st.inner
                 .waiting_in_order()
                 .iter()
-                .map(|&s| st.id_of(py, s))
+                .map(|&s| st.ids.id_of(py, s))
                 .collect()
         })
     }
@@ -955,30 +418,28 @@ impl PyScheduler {
     /// Lookahead slots the active policy reserves past each running request's scheduled tokens.
     #[getter]
     fn lookahead_tokens(&self, py: Python<'_>) -> PyResult<usize> {
-        self.state.with(py, |st| Ok(st.inner.lookahead_tokens()))
+        self.with_state(py, |st| Ok(st.inner.lookahead_tokens()))
     }
 
     /// Lookahead the ownership contract requires for the configured method (K+1 for DFlash).
     #[getter]
     fn required_lookahead_tokens(&self, py: Python<'_>) -> PyResult<usize> {
-        self.state
-            .with(py, |st| Ok(st.inner.config().required_lookahead()))
+        self.with_state(py, |st| Ok(st.inner.config().required_lookahead()))
     }
 
     #[getter]
     fn kv_cache_usage(&self, py: Python<'_>) -> PyResult<f64> {
-        self.state.with(py, |st| Ok(st.inner.kv().usage()))
+        self.with_state(py, |st| Ok(st.inner.kv().usage()))
     }
 
     #[getter]
     fn num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
-        self.state
-            .with(py, |st| Ok(st.inner.kv().num_free_blocks()))
+        self.with_state(py, |st| Ok(st.inner.kv().num_free_blocks()))
     }
 
     /// Counters: preemptions, prefix-cache queries/hits, speculative drafts/accepted, ...
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             let inner = &st.inner;
             let s = inner.stats();
             let p = inner.prefix_cache_stats();
@@ -1020,11 +481,11 @@ impl PyScheduler {
     /// Raises `InvariantError` if any invariant (pool accounting, ref counts, queues, block-table
     /// rows, the lookahead ownership contract) is broken.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        self.state.with(py, |st| st.inner.check_invariants().py(py))
+        self.with_state(py, |st| st.inner.check_invariants().py(py))
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        self.state.with(py, |st| {
+        self.with_state(py, |st| {
             let inner = &st.inner;
             let c = inner.config();
             Ok(format!(
@@ -1039,100 +500,4 @@ impl PyScheduler {
             ))
         })
     }
-}
-
-impl PyScheduler {
-    /// The body of `update_from_output*`: validates `runner_output` against `output`, applies
-    /// it in the core, installs any drafts it carries, and builds the result with `build`.
-    fn apply_output<R>(
-        &self,
-        py: Python<'_>,
-        output: &Bound<'_, PySchedulerOutput>,
-        runner_output: &Bound<'_, PyAny>,
-        build: impl FnOnce(&State) -> PyResult<R>,
-    ) -> PyResult<R> {
-        let out = output.get();
-        let runner_ids = runner_output.getattr(intern!(py, "req_ids")).map_err(|e| {
-            unless_fatal(py, e, || {
-                invalid(
-                    py,
-                    "runner_output must be a ModelRunnerOutput (it has no req_ids)",
-                )
-            })
-        })?;
-        State::check_req_ids(py, out, &runner_ids)?;
-        let (tokens, counts) = State::sampled_from_runner(py, runner_output)?;
-        let drafts = runner_attr(runner_output, intern!(py, "draft_token_ids"))?;
-        let runner_drafts = if drafts.is_none() {
-            None
-        } else {
-            let (draft_tokens, draft_counts) = State::drafts_from_runner(py, &drafts)?;
-            if draft_counts.len() != counts.len() {
-                return Err(invalid(
-                    py,
-                    format!(
-                        "{} draft lists for {} requests",
-                        draft_counts.len(),
-                        counts.len()
-                    ),
-                ));
-            }
-            Some((draft_tokens, draft_counts))
-        };
-        self.state.with(py, |st| {
-            let k = st.inner.config().num_speculative_tokens;
-            if let Some((_, draft_counts)) = &runner_drafts {
-                // Checked before the output is applied, so that a refusal changes nothing.
-                if let Some(i) = draft_counts.iter().position(|&c| c as usize > k) {
-                    return Err(invalid(
-                        py,
-                        format!(
-                            "draft_token_ids[{i}] has {} tokens but at most K = {k} can be \
-                             verified",
-                            draft_counts[i]
-                        ),
-                    ));
-                }
-            }
-            st.apply_tokens(py, out, &tokens, &counts)?;
-            let result = build(st)?;
-            if let Some((draft_tokens, draft_counts)) = runner_drafts
-                .as_ref()
-                .filter(|(_, draft_counts)| !draft_counts.is_empty())
-            {
-                // Cannot fail: one list per batch entry (an update that samples for a step
-                // takes one sample per entry), each checked against K above. Entries that
-                // finished in the update are gone from their slots, so they take none.
-                st.inner
-                    .update_draft_token_ids_for_slots(&out.parts.slots, draft_tokens, draft_counts)
-                    .py(py)?;
-            }
-            st.forget_finished();
-            Ok(result)
-        })
-    }
-}
-
-/// Arms a core fault point to fail once: `kind` is "error" (an internal error) or "panic".
-/// Test-only: present when built with the `fault-injection` feature (`make develop`).
-#[cfg(feature = "fault-injection")]
-#[pyfunction]
-#[pyo3(name = "_inject_fault", signature = (point, kind="error"))]
-pub fn inject_fault(py: Python<'_>, point: &str, kind: &str) -> PyResult<()> {
-    use dflash_core::fault::{arm, disarm, FaultKind};
-    let kind = match kind {
-        "error" => FaultKind::Error,
-        "panic" => FaultKind::Panic,
-        "off" => {
-            disarm();
-            return Ok(());
-        }
-        other => {
-            return Err(invalid(
-                py,
-                format!("fault kind must be \"error\", \"panic\" or \"off\", got {other:?}"),
-            ))
-        }
-    };
-    arm(point, kind).py(py)
 }

@@ -21,7 +21,7 @@ use crate::errors::{invalid, unless_fatal, IntoPyResult};
 use crate::fast_call::call2;
 use crate::guarded::Guarded;
 use crate::outputs::PySchedulerOutput;
-use crate::scheduler::{PyScheduler, State};
+use crate::scheduler_state::{PyScheduler, State};
 
 /// The vLLM classes the bridge instantiates.
 struct VllmTypes {
@@ -283,7 +283,7 @@ impl PyVllmBridge {
                     _ => PyList::new(py, new)?,
                 };
                 cursor += 1;
-                let rid = st.id_of(py, u.slot)?;
+                let rid = st.ids.id_of(py, u.slot)?;
                 if let Some(ids) = &ids {
                     ids.append(&rid)?;
                 }
