@@ -21,8 +21,10 @@ from test_dflash_expand_validation import STRUCTURAL, VALUES, _call, _escape, _g
 import dflash_rs.kernels.api as api
 from dflash_rs.errors import InvalidArgumentError
 from dflash_rs.kernels import DFlashInputs, expand_dflash_inputs
-from dflash_rs.kernels._launch_cache import MAX_PLANS
-from dflash_rs.kernels.dflash_expand import MAX_BATCH_SHAPES
+from dflash_rs.kernels._launch_cache import MAX_PLANS, call_signature
+from dflash_rs.kernels._validate import prepare_expand_args
+from dflash_rs.kernels.dflash_expand import MAX_BATCH_SHAPES, kernel_tensors
+from dflash_rs.kernels.result import BUFFER_NAMES, buffer_tensors
 
 
 @pytest.fixture
@@ -418,3 +420,21 @@ def test_a_cpu_plan_is_not_used_once_the_interpreter_is_off(monkeypatch):
     assert result.query_positions[:3].tolist() == [3, 4, 5]
     with pytest.raises(InvalidArgumentError, match="backend='triton' needs CUDA tensors"):
         _call({**kwargs, "backend": "triton"})
+
+
+def test_the_launch_paths_pass_the_buffers_in_field_order():
+    """The per-call paths read ``out``'s buffers one by one: they must follow ``BUFFER_NAMES``."""
+    out = DFlashInputs.empty(2, 5, 2, "cpu")
+    args = prepare_expand_args(**{**_good("cpu"), "out": out})
+    buffers = buffer_tensors(out)
+    assert [f.name for f in dataclasses.fields(DFlashInputs) if f.name in BUFFER_NAMES] == list(
+        BUFFER_NAMES
+    )
+    assert [id(t) for t in kernel_tensors(args)[6:]] == [id(t) for t in buffers]
+    plan_args = call_signature(
+        args.next_token_ids, args.target_positions, args.query_start_loc, args.block_table,
+        None, None, out, 16, 2, 99, None, False, "triton",
+    )  # fmt: skip
+    assert plan_args is not None
+    _, tensors, _, _ = plan_args
+    assert [id(t) for t in tensors[6:]] == [id(t) for t in buffers]

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from dflash_rs.kernels import _grid
 from dflash_rs.kernels._validate import ExpandArgs
-from dflash_rs.kernels.result import DFlashInputs, buffer_tensors
+from dflash_rs.kernels.result import DFlashInputs
 
 __all__ = ["MAX_BATCH_SHAPES", "ExpandLaunch", "kernel_tensors", "launch_expand_kernel"]
 
@@ -801,7 +801,14 @@ def kernel_tensors(args: ExpandArgs) -> tuple:
         args.block_table,
         placeholder if rejected is None else rejected,
         placeholder if per_row is None else per_row,
-        *buffer_tensors(out),
+        # BUFFER_NAMES order, read one by one (cheaper than buffer_tensors on this per-call path)
+        out.input_ids,
+        out.query_positions,
+        out.query_slot_mapping,
+        out.context_positions,
+        out.context_slot_mapping,
+        out.token_indices_to_sample,
+        out.violation_partials,
     )
 
 
