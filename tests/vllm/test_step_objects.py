@@ -4,6 +4,7 @@ step, and what it hands on is what the core scheduled."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -183,3 +184,47 @@ def test_bad_draft_token_ids_raise_typed_errors_and_change_nothing(
     out = s.schedule()  # the drafts installed before the refusal, untouched
     assert out.scheduled_spec_decode_tokens == {"r0": [60, 61, 62], "r1": [70, 71, 72]}
     s.core.check_invariants()
+
+
+def test_the_step_containers_of_ints_and_strs_are_left_out_of_the_cyclic_collector(
+    make_scheduler: Any, offline: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lists a step hands vLLM hold ints and strs only (or such lists), so they are built
+    untracked by the cyclic collector, as vLLM's own ``EngineCoreOutput`` structs are: every
+    collection would otherwise walk several hundred of them a step. They still behave as the
+    plain lists and dicts they are."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # V1: all_token_ids are sent too
+    s = _decode_scheduler(make_scheduler, offline)
+    assert not s._out.v2
+    ids = ["r0", "r1", "r2"]
+    for _ in range(8):  # until a step hands out new blocks (every draft accepted)
+        s.update_draft_token_ids(DraftTokenIds(ids, [[50, 51, 52]] * 3))
+        s._out.bridge.forget_previous_step()  # the V1 runner then gets every all_token_ids
+        out = s.schedule()
+        cached = out.scheduled_cached_reqs
+        blocks = [b for b in cached.new_block_ids if b is not None]
+        if blocks:
+            break
+        s.update_from_output(out, _sampled(out, lambda rid: [50, 51, 52, 41]))
+    assert blocks, "no step handed out new blocks"
+    assert cached.req_ids == ids
+    assert set(cached.all_token_ids) == set(ids)
+    handed_out = [
+        ("req_ids", cached.req_ids),
+        ("new_block_ids", cached.new_block_ids),
+        ("num_computed_tokens", cached.num_computed_tokens),
+        ("num_output_tokens", cached.num_output_tokens),
+        ("scheduled_spec_decode_tokens", out.scheduled_spec_decode_tokens),
+        *((f"new_block_ids[{i}]", b) for i, b in enumerate(blocks)),
+        *((f"new_block_ids[{i}][0]", b[0]) for i, b in enumerate(blocks)),
+        *((f"all_token_ids[{r}]", t) for r, t in cached.all_token_ids.items()),
+    ]
+    tracked = [name for name, obj in handed_out if gc.is_tracked(obj)]
+    assert not tracked, f"tracked by the cyclic collector: {tracked}"
+    outputs = s.update_from_output(out, _sampled(out, lambda rid: [41]))
+    (eco,) = outputs.values()
+    assert [o.request_id for o in eco.outputs] == ids
+    assert not gc.is_tracked(eco.outputs)
+    cached.new_block_ids[0] = ([1, 2],)  # still the caller's own lists
+    cached.req_ids.append("r9")
+    assert cached.req_ids[-1] == "r9"

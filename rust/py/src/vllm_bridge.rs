@@ -22,6 +22,7 @@ use crate::fast_call::call2;
 use crate::guarded::Guarded;
 use crate::outputs::PySchedulerOutput;
 use crate::scheduler_state::{PyScheduler, State};
+use crate::untracked;
 
 /// The vLLM classes the bridge instantiates.
 struct VllmTypes {
@@ -317,6 +318,9 @@ impl PyVllmBridge {
                 }
             }
             st.forget_finished();
+            // It holds vLLM's `EngineCoreOutput`s (untracked structs) and, later, None for the
+            // adapter's slow entries, which it fills with `EngineCoreOutput`s too.
+            untracked::seal(&outputs);
             Ok((outputs, slow_entries, finished, ids))
         })
     }
@@ -490,16 +494,23 @@ impl PyVllmBridge {
             };
             spec.set_item(&rid, value)?;
         }
+        // Its values are lists of ints (the runner's own draft lists, or new ones): it holds
+        // nothing that leads back to it.
+        untracked::seal_dict(&spec);
         // The cached requests (running, and resumed ones for V1), in batch order. When that is
         // the whole batch (a decode step), their ids are the batch's tuple as a list.
         let cached: Vec<usize> = (0..n)
             .filter(|&i| parts.kinds[i] == 0 || (parts.kinds[i] == 2 && !self.v2))
             .collect();
         let all_cached = cached.len() == n;
+        // The lists of ints and strs below are handed out untracked by the cyclic collector
+        // (`untracked`): several hundred a step, which every collection would walk again.
         let cached_ids = if all_cached {
-            req_ids.to_list()
+            let ids = req_ids.to_list();
+            untracked::seal(&ids);
+            ids
         } else {
-            PyList::new(
+            untracked::list(
                 py,
                 cached
                     .iter()
@@ -531,13 +542,14 @@ impl PyVllmBridge {
                 resumed.add(req_ids.get_item(i)?)?;
             }
             if !self.v2 && !was_previous {
-                all_token_ids.set_item(req_ids.get_item(i)?, PyList::new(py, &request.tokens)?)?;
+                let tokens = untracked::list(py, &request.tokens)?;
+                all_token_ids.set_item(req_ids.get_item(i)?, tokens)?;
             }
         }
         for &(slot, generation) in &parts.slots {
             bridge.last_scheduled[slot as usize] = (generation, this_step);
         }
-        let new_block_ids = PyList::new(
+        let new_block_ids = untracked::list(
             py,
             cached
                 .iter()
@@ -548,20 +560,20 @@ impl PyVllmBridge {
                     if blocks.is_empty() && parts.kinds[i] == 0 {
                         Ok(py.None().into_bound(py))
                     } else {
-                        Ok(PyTuple::new(py, [PyList::new(py, blocks)?])?.into_any())
+                        Ok(untracked::tuple1(untracked::list(py, blocks)?)?.into_any())
                     }
                 })
                 .collect::<PyResult<Vec<_>>>()?,
         )?;
         let ints = &mut bridge.ints;
-        let num_computed = PyList::new(
+        let num_computed = untracked::list(
             py,
             cached
                 .iter()
                 .map(|&i| ints.get(py, i64::from(parts.num_computed[i])))
                 .collect::<PyResult<Vec<_>>>()?,
         )?;
-        let num_output = PyList::new(py, num_output)?;
+        let num_output = untracked::list(py, num_output)?;
         bridge.last_step = Some(step.clone().unbind());
         let kwargs = PyDict::new(py);
         kwargs.set_item(intern!(py, "req_ids"), cached_ids)?;

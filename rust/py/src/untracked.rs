@@ -1,0 +1,53 @@
+//! Lists and tuples of atomic items (ints, strs, None) handed out untracked by CPython's cyclic
+//! garbage collector, as vLLM's own per-step structs are (`msgspec.Struct, gc=False`).
+//!
+//! A container can only be part of a reference cycle through a container it holds. The ones
+//! built here hold ints and strs (or other containers built here), so the collector can never
+//! free anything through them; tracking them only makes every collection scan them again. A
+//! decode step of 1,024 requests hands vLLM several hundred of them (`new_block_ids`), most of
+//! the young generation a collection walks. Untracking is conservative: should a caller later
+//! put a container into one, a cycle through it is kept alive, never freed early.
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+/// Takes `obj` out of the cyclic collector's lists.
+///
+/// The caller guarantees that `obj` holds nothing that can lead back to it (atomic items, or
+/// containers that obey the same rule).
+fn untrack<T>(obj: &Bound<'_, T>) {
+    // SAFETY: the GIL is held and `obj` is a live GC object (list or tuple); untracking an
+    // object that is already untracked is allowed.
+    unsafe { ffi::PyObject_GC_UnTrack(obj.as_ptr().cast()) }
+}
+
+/// A new list of ints or strs, untracked.
+pub fn list<'py, T, I>(py: Python<'py>, items: I) -> PyResult<Bound<'py, PyList>>
+where
+    I: IntoIterator<Item = T>,
+    I::IntoIter: ExactSizeIterator,
+    T: IntoPyObject<'py>,
+{
+    let list = PyList::new(py, items)?;
+    untrack(&list);
+    Ok(list)
+}
+
+/// `(list,)` where `list` was built by [`list`]: untracked too.
+pub fn tuple1<'py>(list: Bound<'py, PyList>) -> PyResult<Bound<'py, PyTuple>> {
+    let tuple = PyTuple::new(list.py(), [list])?;
+    untrack(&tuple);
+    Ok(tuple)
+}
+
+/// Untracks a list of items that are atomic or were built by this module (the caller's
+/// promise, as for [`list`]).
+pub fn seal(list: &Bound<'_, PyList>) {
+    untrack(list);
+}
+
+/// Untracks a dict whose keys are strs and whose values are lists of ints (the caller's promise).
+pub fn seal_dict(dict: &Bound<'_, PyDict>) {
+    untrack(dict);
+}
