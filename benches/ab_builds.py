@@ -13,10 +13,19 @@ Each build runs from its own copy of the package (the `_core` given, everything 
 With `--modes micro` the admission cost (Request() + add_request(), per prompt length) is
 reported as the total of an `admit` row.
 
+With `--bench dropin` it runs `vllm_dropin.py` instead (`DFlashRsScheduler` inside vLLM's
+objects, our side only), with the vLLM venv's interpreter (`--python`, default .venv-vllm);
+its phases are schedule, update, drafts and total.
+
 Example (decode at N = 1024, 30 rounds):
 
   .venv/bin/python benches/ab_builds.py /tmp/before.so /tmp/after.so --rounds 30 \\
       -- --n-reqs 1024 --modes decode
+
+The drop-in (after `scripts/vllm_env.sh setup`), 10 rounds:
+
+  .venv/bin/python benches/ab_builds.py /tmp/before.so /tmp/after.so --rounds 10 \\
+      --bench dropin -- --n 256,1024 --modes decode,serve
 """
 
 from __future__ import annotations
@@ -36,8 +45,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PACKAGE = os.path.join(REPO, "python", "dflash_rs")
 BENCH = os.path.join(HERE, "scheduler_bench.py")
+DROPIN = os.path.join(HERE, "vllm_dropin.py")
 PHASES = ("schedule_p50_us", "spec_p50_us", "update_p50_us", "drafts_p50_us", "total_p50_us")
 FIXED = ["--reps", "1", "--clock", "cpu", "--preempt-n", "0"]
+#: vllm_dropin.py's phases, in the order of PHASES (it has no separate spec phase).
+DROPIN_PHASES = ("schedule", None, "update", "drafts", "total")
 
 
 def snapshot(so: str, root: str, index: int) -> str:
@@ -83,6 +95,27 @@ def run_once(
     return rows
 
 
+def run_dropin_once(
+    path: str, python: str, bench_args: list[str], out: str, expect_core: str
+) -> dict[tuple[str, int], dict]:
+    """One vllm_dropin.py run (our side) against the package in `path`: {(mode, n): row}."""
+    env = dict(os.environ, PYTHONPATH=path, OPENBLAS_NUM_THREADS="1")
+    cmd = [python, DROPIN, "--sides", "dflash-rs", "--reps", "1", *bench_args, "--json", out]
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(out) as f:
+        doc = json.load(f)
+    loaded = doc["versions"].get("core_so_sha256")
+    if loaded != expect_core:
+        raise SystemExit(f"the run loaded core {loaded}, not the snapshot's {expect_core}")
+    rows = {}
+    for run in doc["runs"]:
+        p50 = run["p50_us"]
+        rows[(run["mode"], run["n"])] = {
+            p: (float("nan") if d is None else p50[d]) for p, d in zip(PHASES, DROPIN_PHASES)
+        }
+    return rows
+
+
 def bootstrap_median(values: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
     """95% bootstrap interval of the median."""
     samples = rng.choice(values, size=(2000, len(values)), replace=True)
@@ -102,6 +135,17 @@ def main() -> int:
         default="arrays",
         help="the API the bench drives (see dflash-rs bench --help)",
     )
+    parser.add_argument(
+        "--bench",
+        choices=("scheduler", "dropin"),
+        default="scheduler",
+        help="scheduler_bench.py (the core through --path) or vllm_dropin.py (vLLM's objects)",
+    )
+    parser.add_argument(
+        "--python",
+        default=os.path.join(REPO, ".venv-vllm", "bin", "python"),
+        help="--bench dropin: the interpreter of a venv with vLLM",
+    )
     parser.add_argument("--json", help="write every run's numbers here")
     args, bench_args = parser.parse_known_args()
     bench_args = [a for a in bench_args if a != "--"]
@@ -117,13 +161,17 @@ def main() -> int:
         for r in range(args.rounds):
             order = [(r + k) % len(paths) for k in range(len(paths))]
             for b in order:
-                for key, row in run_once(paths[b], bench_args, out, cores[b], args.path).items():
+                if args.bench == "dropin":
+                    rows = run_dropin_once(paths[b], args.python, bench_args, out, cores[b])
+                else:
+                    rows = run_once(paths[b], bench_args, out, cores[b], args.path)
+                for key, row in rows.items():
                     per = results[b].setdefault(key, {p: [] for p in PHASES})
                     for p in PHASES:
                         per[p].append(row[p])
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     rng = np.random.default_rng(0)
-    print(f"path: {args.path}")
+    print("bench: vllm_dropin.py" if args.bench == "dropin" else f"path: {args.path}")
     print(
         "| config | build | schedule | spec | update | drafts | total p50 (median) "
         "| total vs build 0 |"

@@ -243,8 +243,8 @@ def main(argv: list[str]) -> int:
     import torch
     import vllm
 
-    import dflash_rs
     from dflash_rs.bench.offline_vllm import OfflineVllm
+    from dflash_rs.bench.stats import core_info
 
     ns = [int(x) for x in a.n.split(",")]
     modes = a.modes.split(",")
@@ -296,7 +296,7 @@ def main(argv: list[str]) -> int:
         "versions": {
             "vllm": vllm.__version__,
             "torch": torch.__version__,
-            "dflash_rs": dflash_rs.__version__,
+            **core_info(),
             "numpy": np.__version__,
             "python": platform.python_version(),
         },
