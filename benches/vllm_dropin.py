@@ -25,7 +25,10 @@ The fabricated runner output lists requests in the order of ``so.num_scheduled_t
 request finished its prefill plus 20 warm-up steps; CPU time of this thread
 (``time.thread_time_ns``). Reps are interleaved (vLLM, ours, ours, vLLM, ...) and each cell is
 the median over reps of the per-rep p50. The heap is frozen after setup and the collector stays
-on, as in EngineCore.
+on, as in EngineCore; ``--gc-stats`` also reports the mean CPU time and number of its runs that
+fall inside the timed phases, per step. ``--free-between-steps`` frees each step's objects
+untimed at its end, which leaves what the scheduler's own calls cost (an analysis: by default
+the phase that replaces an object pays for freeing it, on both sides).
 
 Run (from the repository root; builds/uses .venv-vllm):
 
@@ -77,7 +80,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sides", default="vllm,dflash-rs")
     p.add_argument("--json", dest="json_out", default=None)
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    p.add_argument(
+        "--free-between-steps",
+        action="store_true",
+        help="free the step's SchedulerOutput, runner output, EngineCoreOutputs and drafts "
+        "untimed at its end (by default the phase that replaces each pays for freeing it)",
+    )
+    p.add_argument(
+        "--gc-stats",
+        action="store_true",
+        help="also time the cyclic collector's runs inside the timed phases (gc.callbacks)",
+    )
     return p.parse_args(argv)
+
+
+class GcClock:
+    """CPU time and number of the cyclic collector's runs, summed (``gc.callbacks``); stays at
+    zero unless installed."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+        self.runs = 0
+        self._start = 0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.thread_time_ns()
+        else:
+            self.ns += time.thread_time_ns() - self._start
+            self.runs += 1
 
 
 class Runner:
@@ -181,28 +212,40 @@ def run_one(
         admit()
         initial.add(f"r{wl.counter - 1}")
     times: dict[str, list[int]] = {ph: [] for ph in PHASES}
+    gc_ns: list[int] = []
+    gc_runs: list[int] = []
     state, warm, steps, scheduled = "fill", a.warmup_steps, 0, []
+    clock = GcClock()
     gc.collect()
     gc.freeze()
+    if a.gc_stats:
+        gc.callbacks.append(clock)
     try:
         while len(times["total"]) < a.measure_steps:
             steps += 1
             if steps > 20000:
                 raise RuntimeError("no steady decode state reached")
+            g0 = (clock.ns, clock.runs)
             t0 = now()
             so = sched.schedule()
             sched.get_grammar_bitmask(so)
             t1 = now()
+            g1 = (clock.ns, clock.runs)
             mro, live, prefill = runner.output(so, a.runner_order == "shuffled")
+            g2 = (clock.ns, clock.runs)
             t2 = now()
             outs = sched.update_from_output(so, mro)
             t3 = now()
+            g3 = (clock.ns, clock.runs)
             td = 0
+            g4 = g5 = (clock.ns, clock.runs)
             if live:
                 drafts = runner.drafts(live)
+                g4 = (clock.ns, clock.runs)
                 t4 = now()
                 sched.update_draft_token_ids(drafts)
                 td = now() - t4
+                g5 = (clock.ns, clock.runs)
             finished = runner.consume(outs)
             if finished and not serve:
                 raise RuntimeError("a request finished inside the window; raise --max-tokens")
@@ -212,6 +255,10 @@ def run_one(
                 total = (t1 - t0) + (t3 - t2) + td
                 for ph, dt in zip(PHASES, (t1 - t0, t3 - t2, td, total, ta)):
                     times[ph].append(dt)
+                # The collector's runs inside the timed phases (schedule, update, drafts).
+                timed = ((g0, g1), (g2, g3), (g4, g5))
+                gc_ns.append(sum(b[0] - a[0] for a, b in timed))
+                gc_runs.append(sum(b[1] - a[1] for a, b in timed))
                 scheduled.append(len(so.num_scheduled_tokens))
             elif state == "fill" and (
                 (serve and not initial) or (not serve and prefill == 0 and len(live) == n)
@@ -221,7 +268,11 @@ def run_one(
                 warm -= 1
                 if warm <= 0:
                     state = "measure"
+            if a.free_between_steps:
+                so = mro = outs = drafts = None  # freed here, untimed
     finally:
+        if clock in gc.callbacks:
+            gc.callbacks.remove(clock)
         gc.unfreeze()
     if not serve:
         assert min(scheduled) == n, "not every request was scheduled in every measured step"
@@ -235,6 +286,14 @@ def run_one(
         "steps": steps,
         "p50_us": {ph: statistics.median(v) / 1e3 for ph, v in times.items()},
         "p99_us": {ph: float(np.percentile(v, 99)) / 1e3 for ph, v in times.items()},
+        **(
+            {
+                "gc_mean_us": statistics.mean(gc_ns) / 1e3,
+                "gc_runs_per_step": statistics.mean(gc_runs),
+            }
+            if a.gc_stats
+            else {}
+        ),
     }
 
 
@@ -261,11 +320,17 @@ def main(argv: list[str]) -> int:
                     r = run_one(offline, side, mode, n, a, rep)
                     r["wall_s"] = time.perf_counter() - t
                     runs.append(r)
+                    gc_note = (
+                        f"; collector {r['gc_mean_us']:.1f} us, {r['gc_runs_per_step']:.2f} runs "
+                        "a step (mean)"
+                        if a.gc_stats
+                        else ""
+                    )
                     print(
                         f"rep {rep} {mode} N={n} {side:9s}: total p50 "
                         f"{r['p50_us']['total']:9.1f} us (schedule {r['p50_us']['schedule']:.1f}, "
                         f"update {r['p50_us']['update']:.1f}, drafts {r['p50_us']['drafts']:.1f}"
-                        f"); {r['steps']} steps, {r['wall_s']:.0f} s",
+                        f"{gc_note}); {r['steps']} steps, {r['wall_s']:.0f} s",
                         file=sys.stderr,
                         flush=True,
                     )
