@@ -4,7 +4,7 @@
 //! Modules, bottom-up (each uses only those above it):
 //! - `errors`: core errors mapped onto the exception classes of `dflash_rs.errors`.
 //! - `fast_call`: calls with positional arguments through vectorcall, without a tuple.
-//! - `untracked`: lists and tuples of atomic items handed out untracked by the cyclic GC.
+//! - `untracked`: lists, tuples and objects of atomic items kept out of the cyclic GC.
 //! - `guarded`: the lock around a pyclass's mutable state (threads, re-entry, panics).
 //! - `convert`: argument conversion with clear errors (token ids, ints, bools, strs).
 //! - `hash_config`: the block hasher from the `hash_algo` / `hash_seed` arguments.

@@ -9,6 +9,7 @@ use crate::errors::{invalid, IntoPyResult};
 use crate::outputs::{PyRequestOutput, PySchedulerOutput};
 use crate::runner_output::RunnerOutput;
 use crate::scheduler_state::{PyScheduler, State};
+use crate::untracked;
 
 impl State {
     /// Rejects an output of another scheduler.
@@ -61,11 +62,9 @@ impl State {
                 )?,
             )?;
             // A RequestOutput holds only strs, ints, None and Rust data, so it can never be
-            // part of a reference cycle; untracking it keeps one object per request per step out of the
-            // garbage collector's young generation (one reused from the free list is
-            // untracked already).
-            // SAFETY: `ro` is a live object of a GC type; untracking an object is valid.
-            unsafe { pyo3::ffi::PyObject_GC_UnTrack(ro.as_ptr().cast()) };
+            // part of a reference cycle: one object per request per step kept out of the
+            // collector's young generation.
+            untracked::seal_atomic(&ro);
             outputs.push(ro.into_any());
         }
         for e in &update.ended {

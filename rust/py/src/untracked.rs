@@ -1,5 +1,5 @@
-//! Lists and tuples of atomic items (ints, strs, None) handed out untracked by CPython's cyclic
-//! garbage collector, as vLLM's own per-step structs are (`msgspec.Struct, gc=False`).
+//! Lists, tuples and objects of atomic items (ints, strs, None) handed out untracked by CPython's
+//! cyclic garbage collector, as vLLM's own per-step structs are (`msgspec.Struct, gc=False`).
 //!
 //! A container can only be part of a reference cycle through a container it holds. The ones
 //! built here hold ints and strs (or other containers built here), so the collector can never
@@ -17,8 +17,8 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 /// The caller guarantees that `obj` holds nothing that can lead back to it (atomic items, or
 /// containers that obey the same rule).
 fn untrack<T>(obj: &Bound<'_, T>) {
-    // SAFETY: the GIL is held and `obj` is a live GC object (list or tuple); untracking an
-    // object that is already untracked is allowed.
+    // SAFETY: the GIL is held and `obj` is a live object of a GC type (every caller passes a
+    // list, tuple, dict or pyclass instance); untracking an untracked object is allowed.
     unsafe { ffi::PyObject_GC_UnTrack(obj.as_ptr().cast()) }
 }
 
@@ -45,6 +45,12 @@ pub fn tuple1<'py>(list: Bound<'py, PyList>) -> PyResult<Bound<'py, PyTuple>> {
 /// promise, as for [`list`]).
 pub fn seal(list: &Bound<'_, PyList>) {
     untrack(list);
+}
+
+/// Untracks an object of a GC type that holds only atomic values and Rust data (the caller's
+/// promise), e.g. a `RequestOutput`.
+pub fn seal_atomic<T>(obj: &Bound<'_, T>) {
+    untrack(obj);
 }
 
 /// Untracks a dict whose keys are strs and whose values are lists of ints (the caller's promise).
