@@ -77,8 +77,6 @@ def test_ab_builds_runs_the_dropin_bench_against_each_build(tmp_path: Path) -> N
         *TINY,
         "--modes",
         "serve",
-        "--sides",
-        "dflash-rs",
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr

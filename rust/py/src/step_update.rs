@@ -64,7 +64,7 @@ impl State {
             // A RequestOutput holds only strs, ints, None and Rust data, so it can never be
             // part of a reference cycle: one object per request per step kept out of the
             // collector's young generation.
-            untracked::seal_atomic(&ro);
+            untracked::seal(&ro);
             outputs.push(ro.into_any());
         }
         for e in &update.ended {

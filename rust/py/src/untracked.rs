@@ -10,7 +10,7 @@
 
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyList, PyTuple};
 
 /// Takes `obj` out of the cyclic collector's lists.
 ///
@@ -41,19 +41,8 @@ pub fn tuple1<'py>(list: Bound<'py, PyList>) -> PyResult<Bound<'py, PyTuple>> {
     Ok(tuple)
 }
 
-/// Untracks a list of items that are atomic or were built by this module (the caller's
-/// promise, as for [`list`]).
-pub fn seal(list: &Bound<'_, PyList>) {
-    untrack(list);
-}
-
-/// Untracks an object of a GC type that holds only atomic values and Rust data (the caller's
-/// promise), e.g. a `RequestOutput`.
-pub fn seal_atomic<T>(obj: &Bound<'_, T>) {
+/// Untracks `obj`, a list, dict or pyclass instance the caller built, which holds nothing that
+/// can lead back to it: atomic values, Rust data, lists of ints (the caller's promise).
+pub fn seal<T>(obj: &Bound<'_, T>) {
     untrack(obj);
-}
-
-/// Untracks a dict whose keys are strs and whose values are lists of ints (the caller's promise).
-pub fn seal_dict(dict: &Bound<'_, PyDict>) {
-    untrack(dict);
 }

@@ -496,7 +496,7 @@ impl PyVllmBridge {
         }
         // Its values are lists of ints (the runner's own draft lists, or new ones): it holds
         // nothing that leads back to it.
-        untracked::seal_dict(&spec);
+        untracked::seal(&spec);
         // The cached requests (running, and resumed ones for V1), in batch order. When that is
         // the whole batch (a decode step), their ids are the batch's tuple as a list.
         let cached: Vec<usize> = (0..n)
