@@ -26,9 +26,19 @@ request finished its prefill plus 20 warm-up steps; CPU time of this thread
 (``time.thread_time_ns``). Reps are interleaved (vLLM, ours, ours, vLLM, ...) and each cell is
 the median over reps of the per-rep p50. The heap is frozen after setup and the collector stays
 on, as in EngineCore; ``--gc-stats`` also reports the mean CPU time and number of its runs that
-fall inside the timed phases, per step. ``--free-between-steps`` frees each step's objects
-untimed at its end, which leaves what the scheduler's own calls cost (an analysis: by default
-the phase that replaces an object pays for freeing it, on both sides).
+fall inside the timed phases, per step.
+
+Object lifetimes (``--lifetimes``), the same on both sides:
+
+- ``engine`` (the default) frees each step's ``SchedulerOutput``, runner output,
+  ``EngineCoreOutputs`` and ``DraftTokenIds`` after the step, untimed, where vLLM's EngineCore
+  frees them: ``step()`` holds the ``SchedulerOutput`` and the runner output in locals that die
+  when it returns, ``post_step()`` the drafts, and the ``EngineCoreOutputs`` go to the output
+  thread, which serialises and drops them. None of that runs inside a scheduler call. What the
+  scheduler itself frees (a finished request's vLLM ``Request``) stays timed.
+- ``phases``: the phase that replaces an object pays for freeing it (``so = schedule()`` frees
+  the previous step's ``SchedulerOutput``, and so on): a stricter accounting that charges both
+  schedulers for work no engine does inside them.
 
 Run (from the repository root; builds/uses .venv-vllm):
 
@@ -81,10 +91,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", dest="json_out", default=None)
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
     p.add_argument(
-        "--free-between-steps",
-        action="store_true",
-        help="free the step's SchedulerOutput, runner output, EngineCoreOutputs and drafts "
-        "untimed at its end (by default the phase that replaces each pays for freeing it)",
+        "--lifetimes",
+        choices=["engine", "phases"],
+        default="engine",
+        help="engine: the step's SchedulerOutput, runner output, EngineCoreOutputs and drafts "
+        "are freed untimed after the step, as vLLM's EngineCore frees them; phases: the phase "
+        "that replaces each object pays for freeing it",
     )
     p.add_argument(
         "--gc-stats",
@@ -268,7 +280,7 @@ def run_one(
                 warm -= 1
                 if warm <= 0:
                     state = "measure"
-            if a.free_between_steps:
+            if a.lifetimes == "engine":
                 so = mro = outs = drafts = None  # freed here, untimed
     finally:
         if clock in gc.callbacks:
@@ -374,6 +386,7 @@ def main(argv: list[str]) -> int:
             json.dump(doc, f, indent=1)
     if a.markdown:
         x = "\u00d7"
+        print(f"Object lifetimes: {a.lifetimes}; {a.reps} reps; CPU time.\n")
         print(
             f"| mode | N | vLLM {vllm.__version__} `Scheduler` p50 (µs) | `DFlashRsScheduler` p50 "
             "(µs) | ratio | paired ratio (min-max) | vLLM schedule / update / drafts "

@@ -40,9 +40,12 @@ def _dropin() -> Any:
     return module
 
 
-def test_the_dropin_bench_times_both_sides_and_the_collector(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lifetimes", ["engine", "phases"])
+def test_the_dropin_bench_times_both_sides_and_the_collector(
+    tmp_path: Path, lifetimes: str
+) -> None:
     out = tmp_path / "dropin.json"
-    argv = [*TINY, "--modes", "decode", "--gc-stats", "--free-between-steps"]
+    argv = [*TINY, "--modes", "decode", "--gc-stats", "--lifetimes", lifetimes]
     assert _dropin().main([*argv, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     runs = doc["runs"]
@@ -52,6 +55,7 @@ def test_the_dropin_bench_times_both_sides_and_the_collector(tmp_path: Path) -> 
         assert r["p50_us"]["total"] > 0 and r["gc_runs_per_step"] >= 0 and r["gc_mean_us"] >= 0
     assert doc["summary"]["paired_ratio/decode/4"]["median"] > 0
     assert len(doc["versions"]["core_so_sha256"]) == 16
+    assert doc["args"]["lifetimes"] == lifetimes
 
 
 def test_ab_builds_runs_the_dropin_bench_against_each_build(tmp_path: Path) -> None:
