@@ -228,3 +228,127 @@ def test_the_step_containers_of_ints_and_strs_are_left_out_of_the_cyclic_collect
     cached.new_block_ids[0] = ([1, 2],)  # still the caller's own lists
     cached.req_ids.append("r9")
     assert cached.req_ids[-1] == "r9"
+
+
+def test_engine_core_outputs_are_built_directly_and_equal_vllms_own(
+    make_scheduler: Any, offline: Any
+) -> None:
+    """The bridge fills each ``EngineCoreOutput``'s slots itself (``struct_slots``): the result
+    is vLLM's type, equal field by field to what vLLM's constructor makes, and serialises to
+    the same bytes with vLLM's own encoder; a final output carries its finish and stop reason."""
+    import sys
+
+    import msgspec
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    s = make_scheduler(method="dflash", num_speculative_tokens=K, num_blocks=128)
+    assert s._out.bridge.builds_outputs_directly
+    s.add_request(offline.request("r0", [20] * 20, 60))
+    s.add_request(offline.request("r1", [21] * 20, 2))
+    out = s.schedule()
+    s.update_from_output(out, _sampled(out, lambda rid: [40]))  # first outputs: slow path
+    out = s.schedule()
+    sampled = {"r0": [41], "r1": [42]}
+    mro = _sampled(out, sampled.__getitem__)
+    before = (sys.getrefcount(sampled["r0"]), sys.getrefcount(sampled["r1"]))
+    outs = s.update_from_output(out, mro)[0].outputs
+    # Each output holds one reference to the runner's list, and nothing else keeps one.
+    after = (sys.getrefcount(sampled["r0"]), sys.getrefcount(sampled["r1"]))
+    assert after == (before[0] + 1, before[1] + 1)
+    by_id = {o.request_id: o for o in outs}
+    running, final = by_id["r0"], by_id["r1"]
+    expected = {
+        "r0": EngineCoreOutput("r0", [41]),
+        "r1": EngineCoreOutput("r1", [42], finish_reason=FinishReason.LENGTH, stop_reason=None),
+    }
+    encoder = MsgpackEncoder()
+    for rid, eco in by_id.items():
+        assert type(eco) is EngineCoreOutput
+        assert eco == expected[rid]
+        assert msgspec.structs.asdict(eco) == msgspec.structs.asdict(expected[rid])
+        assert encoder.encode(eco) == encoder.encode(expected[rid])
+        assert eco.new_token_ids is sampled[rid]  # the runner's own list, as vLLM hands on
+    assert running.finish_reason is None and final.finished
+    del outs, by_id, running, final, eco
+    assert (sys.getrefcount(sampled["r0"]), sys.getrefcount(sampled["r1"])) == before
+
+
+def test_a_struct_type_the_bridge_cannot_fill_directly_is_called(
+    make_scheduler: Any, offline: Any
+) -> None:
+    """An output class whose layout the bridge does not know how to fill (here: one with a
+    ``__post_init__``, and one with a mutable default) is called instead, so what it builds is
+    exactly what the class builds."""
+    import msgspec
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+
+    from dflash_rs._core import _VllmBridge
+
+    made: list[str] = []
+
+    class Recorded(EngineCoreOutput, gc=False):
+        def __post_init__(self) -> None:
+            made.append(self.request_id)
+
+    class WithList(msgspec.Struct, gc=False):
+        request_id: str
+        new_token_ids: list
+        finish_reason: Any = None
+        stop_reason: Any = None
+        seen: list = []
+
+    for cls in (Recorded, WithList):
+        s = make_scheduler(method="dflash", num_speculative_tokens=K, num_blocks=128)
+        bridge = _VllmBridge(
+            s.core,
+            SchedulerOutput,
+            CachedRequestData,
+            cls,
+            FinishReason,
+            v2=True,
+            async_scheduling=False,
+        )
+        assert not bridge.builds_outputs_directly
+        s._out.bridge = bridge
+        s.add_request(offline.request("r0", [20] * 20, 60))
+        out = s.schedule()
+        s.update_from_output(out, _sampled(out, lambda rid: [40]))
+        out = s.schedule()
+        (eco,) = s.update_from_output(out, _sampled(out, lambda rid: [41]))[0].outputs
+        assert type(eco) is cls and (eco.request_id, eco.new_token_ids) == ("r0", [41])
+    assert made == ["r0"]
+
+
+@pytest.mark.parametrize("token", [0, 1, 255, 256, 2**30 - 1, 2**30, 2**31 - 1])
+def test_token_ids_at_the_edges_of_an_ints_digits_are_read_exactly(
+    make_scheduler: Any, offline: Any, token: int
+) -> None:
+    """Sampled and draft tokens of one 30-bit digit are read from the int in place
+    (``compact_int``), larger ones through the API: both give the value itself."""
+    s = _decode_scheduler(make_scheduler, offline, n=2)
+    out = _step_with_drafts(s, {"r0": [token, 5, 6], "r1": [7, token, 8]})
+    assert out.scheduled_spec_decode_tokens == {"r0": [token, 5, 6], "r1": [7, token, 8]}
+    out = s.schedule()
+    outs = s.update_from_output(out, _sampled(out, lambda rid: [token]))
+    assert {o.request_id: o.new_token_ids for o in outs[0].outputs} == {
+        "r0": [token],
+        "r1": [token],
+    }
+    s.core.check_invariants()
+
+
+@pytest.mark.parametrize("token", [-1, -(2**30), 2**31, 2**62, 2**64, True])
+def test_token_ids_outside_the_range_are_refused(
+    make_scheduler: Any, offline: Any, token: int
+) -> None:
+    s = _decode_scheduler(make_scheduler, offline, n=2)
+    out = s.schedule()
+    with pytest.raises((InvalidArgumentError, ArgumentTypeError), match=r"sampled_token_ids\[1\]"):
+        s.update_from_output(out, _sampled(out, lambda rid: [40] if rid == "r0" else [token]))
+    with pytest.raises((InvalidArgumentError, ArgumentTypeError), match=r"draft_token_ids\[0\]"):
+        s.update_draft_token_ids(DraftTokenIds(["r0", "r1"], [[token, 1, 2], [3, 4, 5]]))
+    outs = s.update_from_output(out, _sampled(out, lambda rid: [40]))
+    assert len(outs[0].outputs) == 2
+    s.core.check_invariants()

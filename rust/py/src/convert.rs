@@ -16,7 +16,9 @@ use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
+use crate::compact_int;
 use crate::errors::{invalid, type_name, unless_fatal, wrong_type};
+use crate::seq_items::with_exact_items;
 
 /// Largest token id accepted (token ids are int32 on the GPU side).
 pub const MAX_TOKEN_ID: i64 = i32::MAX as i64;
@@ -471,22 +473,9 @@ unsafe fn for_each_exact_item(
     seq: *mut pyo3::ffi::PyObject,
     mut f: impl FnMut(*mut pyo3::ffi::PyObject) -> bool,
 ) -> bool {
-    use pyo3::ffi;
-    if ffi::PyList_CheckExact(seq) != 0 {
-        let len = ffi::PyList_Size(seq);
-        (0..len).all(|i| {
-            let item = ffi::PyList_GetItem(seq, i);
-            !item.is_null() && f(item)
-        })
-    } else if ffi::PyTuple_CheckExact(seq) != 0 {
-        let len = ffi::PyTuple_Size(seq);
-        (0..len).all(|i| {
-            let item = ffi::PyTuple_GetItem(seq, i);
-            !item.is_null() && f(item)
-        })
-    } else {
-        false
-    }
+    // SAFETY: as this function's.
+    let py = Python::assume_attached();
+    with_exact_items(py, seq, |items| items.iter().all(|&item| f(item))).unwrap_or(false)
 }
 
 /// Pushes the items of `seq` if it is an exact `list` or `tuple` of exact `int`s in the
@@ -496,18 +485,43 @@ unsafe fn for_each_exact_item(
 /// As [`for_each_exact_item`].
 #[inline(always)]
 unsafe fn push_exact_seq(seq: *mut pyo3::ffi::PyObject, tokens: &mut Vec<u32>) -> bool {
-    use pyo3::ffi;
-    for_each_exact_item(seq, |value| {
-        if ffi::PyLong_CheckExact(value) == 0 {
-            return false;
+    // SAFETY: as this function's.
+    let py = Python::assume_attached();
+    compact_int::with_reader(py, PushExactSeq { py, seq, tokens })
+}
+
+/// [`push_exact_seq`] with one int reader.
+struct PushExactSeq<'a, 'py> {
+    py: Python<'py>,
+    seq: *mut pyo3::ffi::PyObject,
+    tokens: &'a mut Vec<u32>,
+}
+
+impl compact_int::WithReader for PushExactSeq<'_, '_> {
+    type Output = bool;
+
+    #[inline(always)]
+    fn run<R: compact_int::ReadInt>(self, reader: R) -> bool {
+        let Self { py, seq, tokens } = self;
+        // SAFETY: `seq` is alive and nothing here runs Python code (see `push_exact_token_ids`);
+        // each item is checked to be an exact int before it is read as one.
+        unsafe {
+            with_exact_items(py, seq, |items| {
+                tokens.reserve(items.len());
+                items.iter().all(|&value| {
+                    if pyo3::ffi::PyLong_CheckExact(value) == 0 {
+                        return false;
+                    }
+                    match reader.value_up_to(value, MAX_TOKEN_ID as u32) {
+                        Some(t) => {
+                            tokens.push(t);
+                            true
+                        }
+                        None => false,
+                    }
+                })
+            })
+            .unwrap_or(false)
         }
-        let mut overflow = 0;
-        // An exact int raises nothing here: beyond a C long it reports `overflow` instead.
-        let t = ffi::PyLong_AsLongAndOverflow(value, &mut overflow);
-        if overflow != 0 || !(0..=i32::MAX as std::os::raw::c_long).contains(&t) {
-            return false;
-        }
-        tokens.push(t as u32);
-        true
-    })
+    }
 }

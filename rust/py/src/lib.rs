@@ -3,9 +3,11 @@
 //!
 //! Modules, bottom-up (each uses only those above it):
 //! - `errors`: core errors mapped onto the exception classes of `dflash_rs.errors`.
-//! - `fast_call`: calls with positional arguments through vectorcall, without a tuple.
 //! - `untracked`: lists, tuples and objects of atomic items kept out of the cyclic GC.
+//! - `struct_slots`: msgspec `Struct` instances built by filling their field slots.
 //! - `guarded`: the lock around a pyclass's mutable state (threads, re-entry, panics).
+//! - `seq_items`: the items of exact lists and tuples as a slice.
+//! - `compact_int`: the value of a small exact int without a call.
 //! - `convert`: argument conversion with clear errors (token ids, ints, bools, strs).
 //! - `hash_config`: the block hasher from the `hash_algo` / `hash_seed` arguments.
 //! - `scheduler_args`: the Python `SchedulerConfig` and `Request` objects read into core types.
@@ -23,11 +25,11 @@
 //! - `vllm_bridge`: `_VllmBridge`, the vLLM drop-in's per-step objects in one pass.
 //! - `fault_hook`: `_inject_fault`, test-only (feature `fault-injection`).
 
+mod compact_int;
 mod convert;
 mod draft_dict;
 mod draft_install;
 mod errors;
-mod fast_call;
 #[cfg(feature = "fault-injection")]
 mod fault_hook;
 mod guarded;
@@ -40,8 +42,10 @@ mod runner_output;
 mod scheduler;
 mod scheduler_args;
 mod scheduler_state;
+mod seq_items;
 mod step_output;
 mod step_update;
+mod struct_slots;
 mod untracked;
 mod vllm_bridge;
 
@@ -81,6 +85,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "_check_speculative_config",
         wrap_pyfunction!(scheduler_args::check_speculative_config, m)?,
     )?;
+    // Private, for tests: which layout-dependent fast paths this interpreter allows.
+    m.setattr("_fast_paths", wrap_pyfunction!(fast_paths, m)?)?;
     // Private to `dflash_rs.vllm`: set as an attribute so it stays out of `__all__`.
     m.setattr(
         "_VllmBridge",
@@ -93,4 +99,14 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(fault_hook::inject_fault, m)?,
     )?;
     Ok(())
+}
+
+/// Which fast paths that read CPython's object layout this interpreter passed the checks of:
+/// `(int encoding name or None, whether list and tuple items are read in place)`.
+#[pyfunction]
+fn fast_paths(py: Python<'_>) -> (Option<&'static str>, bool) {
+    (
+        compact_int::encoding(py).map(compact_int::Encoding::name),
+        seq_items::layout_holds(py),
+    )
 }

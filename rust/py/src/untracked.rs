@@ -12,6 +12,10 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
+use pyo3::IntoPyObjectExt;
+
+use crate::seq_items::ListBuilder;
+
 /// Takes `obj` out of the cyclic collector's lists.
 ///
 /// The caller guarantees that `obj` holds nothing that can lead back to it (atomic items, or
@@ -29,9 +33,12 @@ where
     I::IntoIter: ExactSizeIterator,
     T: IntoPyObject<'py>,
 {
-    let list = PyList::new(py, items)?;
-    untrack(&list);
-    Ok(list)
+    let items = items.into_iter();
+    let mut list = ListBuilder::new(py, items.len())?;
+    for item in items {
+        list.push(item.into_bound_py_any(py)?);
+    }
+    Ok(list.finish())
 }
 
 /// `(list,)` where `list` was built by [`list`]: untracked too.

@@ -18,20 +18,75 @@ use dflash_core::PLACEHOLDER_TOKEN;
 
 use crate::convert::{push_exact_token_ids, token_ids};
 use crate::errors::{invalid, unless_fatal, IntoPyResult};
-use crate::fast_call::call2;
 use crate::guarded::Guarded;
 use crate::outputs::PySchedulerOutput;
 use crate::scheduler_state::{PyScheduler, State};
+use crate::seq_items::{with_exact_items, ListBuilder};
+use crate::struct_slots::StructBuilder;
 use crate::untracked;
 
 /// The vLLM classes the bridge instantiates.
 struct VllmTypes {
     scheduler_output: Py<PyAny>,
     cached_request_data: Py<PyAny>,
-    engine_core_output: Py<PyAny>,
+    engine_core_output: EngineCoreOutputType,
     /// vLLM's `FinishReason` per core reason, in `FinishReason`'s order (stop, length, abort,
     /// error).
     finish_reasons: [Py<PyAny>; 4],
+}
+
+/// vLLM's `EngineCoreOutput` (a msgspec struct) and the indices of the fields the bridge sets.
+struct EngineCoreOutputType {
+    builder: StructBuilder,
+    request_id: usize,
+    new_token_ids: usize,
+    finish_reason: usize,
+    stop_reason: usize,
+}
+
+impl EngineCoreOutputType {
+    fn new(ty: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let py = ty.py();
+        let builder = StructBuilder::new(ty)?;
+        Ok(Self {
+            request_id: builder.field(py, "request_id")?,
+            new_token_ids: builder.field(py, "new_token_ids")?,
+            finish_reason: builder.field(py, "finish_reason")?,
+            stop_reason: builder.field(py, "stop_reason")?,
+            builder,
+        })
+    }
+
+    /// An output that carries new tokens only.
+    fn tokens<'py>(
+        &self,
+        rid: &Bound<'py, PyAny>,
+        tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.builder.build(
+            rid.py(),
+            &[(self.request_id, rid), (self.new_token_ids, tokens)],
+        )
+    }
+
+    /// A final output: new tokens, the finish reason and the stop reason.
+    fn finished<'py>(
+        &self,
+        rid: &Bound<'py, PyAny>,
+        tokens: &Bound<'py, PyAny>,
+        reason: &Bound<'py, PyAny>,
+        stop: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.builder.build(
+            rid.py(),
+            &[
+                (self.request_id, rid),
+                (self.new_token_ids, tokens),
+                (self.finish_reason, reason),
+                (self.stop_reason, stop),
+            ],
+        )
+    }
 }
 
 /// Per-slot memory of the bridge, keyed by the slot's generation so that a reused slot never
@@ -153,7 +208,7 @@ impl PyVllmBridge {
         scheduler: Py<PyScheduler>,
         scheduler_output: Py<PyAny>,
         cached_request_data: Py<PyAny>,
-        engine_core_output: Py<PyAny>,
+        engine_core_output: &Bound<'_, PyAny>,
         finish_reason: &Bound<'_, PyAny>,
         v2: bool,
         async_scheduling: bool,
@@ -171,7 +226,7 @@ impl PyVllmBridge {
             types: VllmTypes {
                 scheduler_output,
                 cached_request_data,
-                engine_core_output,
+                engine_core_output: EngineCoreOutputType::new(engine_core_output)?,
                 finish_reasons,
             },
             v2,
@@ -184,7 +239,7 @@ impl PyVllmBridge {
         visit.call(&self.scheduler)?;
         visit.call(&self.types.scheduler_output)?;
         visit.call(&self.types.cached_request_data)?;
-        visit.call(&self.types.engine_core_output)?;
+        visit.call(self.types.engine_core_output.builder.type_object())?;
         for r in &self.types.finish_reasons {
             visit.call(r)?;
         }
@@ -250,18 +305,20 @@ impl PyVllmBridge {
             };
             counts.push(n);
         }
-        let engine_core_output = self.types.engine_core_output.bind(py);
+        let engine_core_output = &self.types.engine_core_output;
         let check_slow = !slow.is_empty();
         self.scheduler.get().with_state(py, |st| {
             st.apply_tokens(py, out, &tokens, &counts)?;
-            let outputs = PyList::empty(py);
+            let update = &st.update;
+            // It holds vLLM's `EngineCoreOutput`s (untracked structs) and, later, None for the
+            // adapter's slow entries, which it fills with `EngineCoreOutput`s too.
+            let mut outputs = ListBuilder::new(py, update.updates.len())?;
             let mut slow_entries = Vec::new();
             let mut finished = Vec::new();
             let ids = want_ids.then(|| PyList::empty(py));
             let slots = &out.parts.slots;
             let mut cursor = 0usize;
-            let update = &st.update;
-            for u in &update.updates {
+            for (position, u) in update.updates.iter().enumerate() {
                 // Updates come in batch order, a subsequence of the step's slots.
                 while cursor < slots.len() && slots[cursor].0 != u.slot {
                     cursor += 1;
@@ -291,36 +348,31 @@ impl PyVllmBridge {
                 let slow_one = all_slow || (check_slow && slow.contains(&rid)?);
                 let fast = !slow_one;
                 if fast && u.finish_reason.is_none() {
-                    outputs.append(call2(
-                        engine_core_output,
-                        rid.bind(py),
-                        new_tokens.as_any(),
-                    )?)?;
+                    outputs.push(engine_core_output.tokens(rid.bind(py), new_tokens.as_any())?);
                 } else if let (true, Some(reason)) = (fast, u.finish_reason) {
                     // A final output that carries nothing else (no events, stats, logprobs).
                     let stop = u.stop_token;
-                    let kwargs = PyDict::new(py);
-                    let vllm_reason = &self.types.finish_reasons[reason as usize];
-                    kwargs.set_item(intern!(py, "finish_reason"), vllm_reason)?;
-                    kwargs.set_item(intern!(py, "stop_reason"), stop)?;
-                    let args = (rid.clone_ref(py), new_tokens);
-                    outputs.append(engine_core_output.call(args, Some(&kwargs))?)?;
+                    let vllm_reason = self.types.finish_reasons[reason as usize].bind(py);
+                    outputs.push(engine_core_output.finished(
+                        rid.bind(py),
+                        new_tokens.as_any(),
+                        vllm_reason,
+                        &stop.into_pyobject(py)?,
+                    )?);
                     finished.push((rid, reason.name(), stop));
                 } else {
                     slow_entries.push((
-                        outputs.len(),
+                        position,
                         rid,
                         new_tokens.unbind(),
                         u.finish_reason.map(|r| r.name()),
                         u.finish_reason.and(u.stop_token),
                     ));
-                    outputs.append(py.None())?;
+                    outputs.push(py.None().into_bound(py));
                 }
             }
+            let outputs = outputs.finish();
             st.forget_finished();
-            // It holds vLLM's `EngineCoreOutput`s (untracked structs) and, later, None for the
-            // adapter's slow entries, which it fills with `EngineCoreOutput`s too.
-            untracked::seal(&outputs);
             Ok((outputs, slow_entries, finished, ids))
         })
     }
@@ -430,6 +482,13 @@ impl PyVllmBridge {
         })
     }
 
+    /// Whether `EngineCoreOutput`s are built by filling their slots (`struct_slots`), rather
+    /// than by calling the class (a layout the bridge does not know).
+    #[getter]
+    fn builds_outputs_directly(&self) -> bool {
+        self.types.engine_core_output.builder.is_direct()
+    }
+
     /// Forgets which requests the previous step scheduled: the V1 runner then gets every
     /// cached request's `all_token_ids` again (after `reset_prefix_cache` preempted them all).
     fn forget_previous_step(&self, py: Python<'_>) -> PyResult<()> {
@@ -473,9 +532,20 @@ impl PyVllmBridge {
 
         let num_scheduled =
             bridge.num_scheduled_tokens(py, &parts.slots, &parts.num_scheduled, req_ids)?;
-        let spec = PyDict::new(py);
+        // When every request has drafts (a decode step), the spec dict starts as a copy of
+        // `num_scheduled_tokens` (the same keys, in the same order) whose values are then
+        // replaced: no insertion, no growth.
+        let all_drafted = n > 0 && parts.spec_counts[..n].iter().all(|&c| c > 0);
+        let spec = if all_drafted {
+            num_scheduled.copy()?
+        } else {
+            PyDict::new(py)
+        };
+        // The batch's ids: the tuple's items, borrowed (a tuple never changes, and the step
+        // holds it).
+        let ids: Vec<Bound<'py, PyAny>> = req_ids.iter().collect();
         let mut spec_start = 0usize;
-        for (i, rid) in req_ids.iter().enumerate().take(n) {
+        for (i, rid) in ids.iter().enumerate().take(n) {
             let num_spec = parts.spec_counts[i] as usize;
             if num_spec == 0 {
                 continue;
@@ -492,7 +562,7 @@ impl PyVllmBridge {
                 Some(list) => list,
                 None => PyList::new(py, drafts.iter().map(|&t| vllm_token(t)))?,
             };
-            spec.set_item(&rid, value)?;
+            spec.set_item(rid, value)?;
         }
         // Its values are lists of ints (the runner's own draft lists, or new ones): it holds
         // nothing that leads back to it.
@@ -502,21 +572,19 @@ impl PyVllmBridge {
         let cached: Vec<usize> = (0..n)
             .filter(|&i| parts.kinds[i] == 0 || (parts.kinds[i] == 2 && !self.v2))
             .collect();
-        let all_cached = cached.len() == n;
+        let m = cached.len();
         // The lists of ints and strs below are handed out untracked by the cyclic collector
         // (`untracked`): several hundred a step, which every collection would walk again.
-        let cached_ids = if all_cached {
+        let cached_ids = if m == n {
             let ids = req_ids.to_list();
             untracked::seal(&ids);
             ids
         } else {
-            untracked::list(
-                py,
-                cached
-                    .iter()
-                    .map(|&i| req_ids.get_item(i))
-                    .collect::<PyResult<Vec<_>>>()?,
-            )?
+            let mut list = ListBuilder::new(py, m)?;
+            for &i in &cached {
+                list.push(ids[i].clone());
+            }
+            list.finish()
         };
         let resumed = PySet::empty(py)?;
         let all_token_ids = PyDict::new(py);
@@ -528,52 +596,45 @@ impl PyVllmBridge {
         }
         let ints = &mut bridge.ints;
         ints.reserve_for(st.inner.config().max_model_len);
-        let mut num_output = Vec::with_capacity(cached.len());
+        let (mut new_block_ids, mut num_computed, mut num_output) = (
+            ListBuilder::new(py, m)?,
+            ListBuilder::new(py, m)?,
+            ListBuilder::new(py, m)?,
+        );
+        let requests = st.inner.requests();
         for &i in &cached {
             let (slot, generation) = parts.slots[i];
-            let request = st.inner.requests().get(slot).py(py)?;
+            let request = requests.get(slot).py(py)?;
             let mut outputs = request.num_output_tokens();
             if self.async_scheduling {
                 outputs += parts.num_output_placeholders[i] as usize;
             }
             num_output.push(ints.get(py, outputs as i64)?);
+            num_computed.push(ints.get(py, i64::from(parts.num_computed[i]))?);
+            let start = block_starts[i] as usize;
+            let blocks = &parts.new_blocks[start..start + parts.new_block_counts[i] as usize];
+            new_block_ids.push(if blocks.is_empty() && parts.kinds[i] == 0 {
+                py.None().into_bound(py)
+            } else {
+                untracked::tuple1(untracked::list(py, blocks)?)?.into_any()
+            });
             let was_previous = bridge.last_scheduled[slot as usize] == (generation, previous);
             if parts.kinds[i] == 2 {
-                resumed.add(req_ids.get_item(i)?)?;
+                resumed.add(&ids[i])?;
             }
             if !self.v2 && !was_previous {
                 let tokens = untracked::list(py, &request.tokens)?;
-                all_token_ids.set_item(req_ids.get_item(i)?, tokens)?;
+                all_token_ids.set_item(&ids[i], tokens)?;
             }
         }
+        let (new_block_ids, num_computed, num_output) = (
+            new_block_ids.finish(),
+            num_computed.finish(),
+            num_output.finish(),
+        );
         for &(slot, generation) in &parts.slots {
             bridge.last_scheduled[slot as usize] = (generation, this_step);
         }
-        let new_block_ids = untracked::list(
-            py,
-            cached
-                .iter()
-                .map(|&i| {
-                    let start = block_starts[i] as usize;
-                    let blocks =
-                        &parts.new_blocks[start..start + parts.new_block_counts[i] as usize];
-                    if blocks.is_empty() && parts.kinds[i] == 0 {
-                        Ok(py.None().into_bound(py))
-                    } else {
-                        Ok(untracked::tuple1(untracked::list(py, blocks)?)?.into_any())
-                    }
-                })
-                .collect::<PyResult<Vec<_>>>()?,
-        )?;
-        let ints = &mut bridge.ints;
-        let num_computed = untracked::list(
-            py,
-            cached
-                .iter()
-                .map(|&i| ints.get(py, i64::from(parts.num_computed[i])))
-                .collect::<PyResult<Vec<_>>>()?,
-        )?;
-        let num_output = untracked::list(py, num_output)?;
         bridge.last_step = Some(step.clone().unbind());
         let kwargs = PyDict::new(py);
         kwargs.set_item(intern!(py, "req_ids"), cached_ids)?;
@@ -700,16 +761,15 @@ fn same_ids(ids: &Bound<'_, PyAny>, expected: &Bound<'_, PyTuple>) -> PyResult<b
     if ids.len()? != expected.len() {
         return Ok(false);
     }
-    if let Ok(list) = ids.cast::<PyList>() {
-        for (i, b) in expected.iter().enumerate() {
-            if item_is(ids, i, &b) {
-                continue;
-            }
-            let a = list.get_item(i)?;
-            if !a.eq(&b)? {
-                return Ok(false);
-            }
-        }
+    let py = ids.py();
+    // The common case: the very same str objects, compared as pointers (nothing dereferenced).
+    // SAFETY: both are alive and the closures run no Python code.
+    let identical = unsafe {
+        with_exact_items(py, ids.as_ptr(), |a| {
+            with_exact_items(py, expected.as_ptr(), |b| a == b).unwrap_or(false)
+        })
+    };
+    if identical == Some(true) {
         return Ok(true);
     }
     for (a, b) in ids.try_iter()?.zip(expected.iter()) {
@@ -719,21 +779,6 @@ fn same_ids(ids: &Bound<'_, PyAny>, expected: &Bound<'_, PyTuple>) -> PyResult<b
         }
     }
     Ok(true)
-}
-
-/// Whether item `i` of the exact list `list` is the very object `obj` (a pointer compare, no
-/// reference counting). False when `i` is out of range or `list` is not an exact list.
-fn item_is(list: &Bound<'_, PyAny>, i: usize, obj: &Bound<'_, PyAny>) -> bool {
-    let ptr = list.as_ptr();
-    // SAFETY: the GIL is held; the item is only compared, never dereferenced.
-    unsafe {
-        pyo3::ffi::PyList_CheckExact(ptr) != 0
-            && i < pyo3::ffi::PyList_Size(ptr) as usize
-            && std::ptr::eq(
-                pyo3::ffi::PyList_GetItem(ptr, i as pyo3::ffi::Py_ssize_t),
-                obj.as_ptr(),
-            )
-    }
 }
 
 /// Each batch entry's sampled tokens (None: none sampled), from a vLLM `ModelRunnerOutput`
