@@ -112,6 +112,26 @@ pub struct StopRules {
 }
 
 impl StopRules {
+    /// The first of `tokens` that stops the request (EOS unless ignored, or a stop token): its
+    /// index, and the stop token if it is one (EOS is checked first).
+    fn first_stop(&self, tokens: &[u32]) -> Option<(usize, Option<u32>)> {
+        let eos = self.eos_token_id.filter(|_| !self.ignore_eos);
+        if self.stop_token_ids.is_empty() {
+            // The usual rules: one comparison per token, or none without EOS.
+            let eos = eos?;
+            return tokens.iter().position(|&t| t == eos).map(|i| (i, None));
+        }
+        tokens.iter().enumerate().find_map(|(i, &t)| {
+            if eos == Some(t) {
+                Some((i, None))
+            } else if self.stop_token_ids.contains(&t) {
+                Some((i, Some(t)))
+            } else {
+                None
+            }
+        })
+    }
+
     /// Takes the rules out of `spec` (its `stop_token_ids` is left empty).
     fn take_from(spec: &mut RequestSpec) -> Self {
         Self {
@@ -284,24 +304,14 @@ impl Request {
             .min(self.stop.max_tokens.saturating_sub(num_output + 1));
         let token_stops_from = self.stop.min_tokens.saturating_sub(num_output + 1);
         let scan_end = sampled.len().min(length_stop.saturating_add(1));
-        let eos = self.stop.eos_token_id.filter(|_| !self.stop.ignore_eos);
         let mut finish = None;
         let mut kept = sampled.len();
-        for (i, &t) in sampled
-            .iter()
-            .enumerate()
-            .take(scan_end)
-            .skip(token_stops_from)
-        {
-            if eos == Some(t) {
-                (kept, finish) = (i + 1, Some(FinishReason::Stop));
-                break;
+        let scanned = sampled.get(token_stops_from..scan_end).unwrap_or_default();
+        if let Some((i, stop_token)) = self.stop.first_stop(scanned) {
+            if stop_token.is_some() {
+                self.stop_token = stop_token;
             }
-            if self.stop.stop_token_ids.contains(&t) {
-                self.stop_token = Some(t);
-                (kept, finish) = (i + 1, Some(FinishReason::Stop));
-                break;
-            }
+            (kept, finish) = (token_stops_from + i + 1, Some(FinishReason::Stop));
         }
         if finish.is_none() && length_stop < sampled.len() {
             (kept, finish) = (length_stop + 1, Some(FinishReason::Length));
