@@ -279,6 +279,26 @@ impl Request {
         }
     }
 
+    /// Replaces the draft tokens with `drafts`.
+    pub(crate) fn set_drafts(&mut self, drafts: &[u32]) {
+        if drafts.len() > INLINE_DRAFTS {
+            self.spec_token_ids.clear();
+            self.spec_token_ids.extend_from_slice(drafts);
+            return;
+        }
+        // A few tokens, copied four at a time into an inline buffer: `extend_from_slice` would
+        // make room with a zero-length move and copy with a call, which cost more.
+        let mut buf = [0u32; INLINE_DRAFTS];
+        let (whole, rest) = drafts.split_at(drafts.len() / 4 * 4);
+        for (dst, src) in buf.chunks_exact_mut(4).zip(whole.chunks_exact(4)) {
+            dst.copy_from_slice(src);
+        }
+        for (dst, &t) in buf[whole.len()..].iter_mut().zip(rest) {
+            *dst = t;
+        }
+        self.spec_token_ids = SmallVec::from_buf_and_len(buf, drafts.len());
+    }
+
     /// Whether the request has finished.
     pub fn is_finished(&self) -> bool {
         matches!(self.status, RequestStatus::Finished(_))

@@ -29,8 +29,7 @@ impl Scheduler {
             };
             if let Ok(r) = self.store.get_mut(slot) {
                 if r.status == RequestStatus::Running && !r.is_prefill_chunk {
-                    r.spec_token_ids.clear();
-                    r.spec_token_ids.extend_from_slice(tokens);
+                    r.set_drafts(tokens);
                     applied += 1;
                 }
             }
@@ -78,8 +77,7 @@ impl Scheduler {
             let end = start + count as usize;
             if let Some(r) = self.store.get_mut_if_current(slot, generation) {
                 if r.status == RequestStatus::Running && !r.is_prefill_chunk {
-                    r.spec_token_ids.clear();
-                    r.spec_token_ids.extend_from_slice(&tokens[start..end]);
+                    r.set_drafts(&tokens[start..end]);
                     applied += 1;
                 }
             }
