@@ -109,6 +109,14 @@ impl RequestStore {
             .ok_or_else(|| broken!("slot {slot} holds no request"))
     }
 
+    /// The request in `slot`, mutably, and its block-table row.
+    pub fn get_mut_with_row(&mut self, slot: u32) -> CoreResult<(&mut Request, Option<u32>)> {
+        self.slots
+            .get_mut(slot as usize)
+            .and_then(|s| Some((s.request.as_mut()?, s.row)))
+            .ok_or_else(|| broken!("slot {slot} holds no request"))
+    }
+
     /// The live request in `slot` if its generation still matches.
     pub fn get_mut_if_current(&mut self, slot: u32, generation: u32) -> Option<&mut Request> {
         let s = self.slots.get_mut(slot as usize)?;
