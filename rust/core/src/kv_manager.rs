@@ -368,8 +368,11 @@ impl KvCacheManager {
         }
         let first_new = req.block_ids.len();
         let num_new_blocks = cdiv(need_slot, self.block_size).saturating_sub(first_new);
-        self.pool
-            .get_new_blocks(num_new_blocks, &mut req.block_ids)?;
+        if num_new_blocks > 0 {
+            // Most decode steps fit in the blocks a request holds.
+            self.pool
+                .get_new_blocks(num_new_blocks, &mut req.block_ids)?;
+        }
 
         self.cache_blocks(req, seq, main);
         Ok(Some(first_new))
@@ -426,6 +429,7 @@ impl KvCacheManager {
     /// Registers in the prefix cache every block of `req` that is full of known tokens below
     /// `num_tokens` (whose KV is, or is being, computed) and not registered yet. Never drafts or
     /// lookahead slots.
+    #[inline]
     pub fn cache_blocks(
         &mut self,
         req: &mut RequestBlocks,
@@ -436,9 +440,19 @@ impl KvCacheManager {
             return;
         }
         let range = self.blocks_to_cache(req, seq, num_tokens);
-        if range.is_empty() {
-            return;
+        // Most calls (a decode step that fills no block) register nothing: no call then.
+        if !range.is_empty() {
+            self.cache_range(req, seq, range);
         }
+    }
+
+    /// [`Self::cache_blocks`] of the non-empty `range` of blocks that `blocks_to_cache` gave.
+    fn cache_range(
+        &mut self,
+        req: &mut RequestBlocks,
+        seq: SequenceView<'_>,
+        range: std::ops::Range<usize>,
+    ) {
         let num_full = range.end;
         if range.len() > 1 {
             // A prefill chunk's blocks: their misses overlap when all are asked for first.
