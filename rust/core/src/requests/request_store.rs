@@ -117,6 +117,14 @@ impl RequestStore {
             .ok_or_else(|| broken!("slot {slot} holds no request"))
     }
 
+    /// The request in `slot`, mutably, and the slot's generation.
+    pub fn get_mut_with_generation(&mut self, slot: u32) -> CoreResult<(u32, &mut Request)> {
+        self.slots
+            .get_mut(slot as usize)
+            .and_then(|s| Some((s.generation, s.request.as_mut()?)))
+            .ok_or_else(|| broken!("slot {slot} holds no request"))
+    }
+
     /// The live request in `slot` if its generation still matches.
     pub fn get_mut_if_current(&mut self, slot: u32, generation: u32) -> Option<&mut Request> {
         let s = self.slots.get_mut(slot as usize)?;

@@ -60,7 +60,7 @@ impl Scheduler {
                 index += 1;
                 continue;
             }
-            self.scratch.cached_before[slot as usize] = r.blocks.num_cached_blocks as u32;
+            self.scratch.slots[slot as usize].cached_before = r.blocks.num_cached_blocks as u32;
             let args = AllocateArgs {
                 num_new_tokens: num_new,
                 num_computed_tokens: computed,
@@ -112,14 +112,14 @@ impl Scheduler {
                 self.rows
                     .append(row as usize, &r.blocks.block_ids[first_new..]);
             }
-            let s = slot as usize;
-            self.scratch.scheduled[s] = num_new as u32;
-            self.scratch.kind[s] = Some(EntryKind::Running);
-            self.scratch.new_blocks_start[s] = first_new as u32;
-            self.scratch.computed_before[s] = computed as u32;
             let num_spec = (num_new + computed).saturating_sub(r.num_tokens() + placeholders);
             r.spec_token_ids.truncate(num_spec);
-            self.scratch.num_spec[s] = r.spec_token_ids.len() as u32;
+            let e = &mut self.scratch.slots[slot as usize];
+            e.scheduled = num_new as u32;
+            e.kind = Some(EntryKind::Running);
+            e.new_blocks_start = first_new as u32;
+            e.computed_before = computed as u32;
+            e.num_spec = r.spec_token_ids.len() as u32;
             prefill_scheduled |= r.is_prefill_chunk;
             scheduled_order.push(slot);
             budget.take(num_new);
@@ -155,8 +155,9 @@ impl Scheduler {
             if victim_index < *index {
                 // Priority policy: the victim was already scheduled this step; undo it, and
                 // take back the prefix-cache entries it registered for KV never computed.
-                budget.give_back(self.scratch.scheduled[victim as usize] as usize);
-                let cached_before = self.scratch.cached_before[victim as usize] as usize;
+                let v = self.scratch.slots[victim as usize];
+                budget.give_back(v.scheduled as usize);
+                let cached_before = v.cached_before as usize;
                 self.scratch.unschedule(victim);
                 scheduled_order.retain(|&s| s != victim);
                 *index -= 1;
