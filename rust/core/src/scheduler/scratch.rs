@@ -2,6 +2,8 @@
 
 use crate::output::EntryKind;
 
+use super::stats::DraftTally;
+
 /// What `schedule()` records about one slot in the step it plans.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct SlotStep {
@@ -31,6 +33,8 @@ pub(super) struct StepScratch {
     /// `update_from_output`'s second pass: (rank, slot, tokens done) of requests with blocks
     /// to cache.
     pub(super) to_cache: Vec<(u32, u32, usize)>,
+    /// `update_from_output`'s draft counters.
+    pub(super) tally: DraftTally,
 }
 
 impl StepScratch {

@@ -102,12 +102,15 @@ impl Scheduler {
         let mut finished: Vec<(u32, u32, FinishReason)> = Vec::new();
         let mut to_cache = std::mem::take(&mut self.scratch.to_cache);
         to_cache.clear();
+        let mut tally = std::mem::take(&mut self.scratch.tally);
+        tally.start(self.stats.num_accepted_tokens_per_pos.len());
+        let block_size = self.config.block_size;
         let mut start = 0usize;
         for (i, (e, &count)) in step.entries.iter().zip(counts).enumerate() {
             let ahead = i + crate::memory::prefetch::DISTANCE;
             if let (Some(next), Some(&n)) = (step.entries.get(ahead), counts.get(ahead)) {
                 self.store
-                    .prefetch_for_update(next.slot, n as usize, self.config.block_size);
+                    .prefetch_for_update(next.slot, n as usize, block_size);
             }
             let sampled = &tokens[start..start + count as usize];
             start += count as usize;
@@ -138,14 +141,7 @@ impl Scheduler {
                     r.num_output_placeholders =
                         r.num_output_placeholders.saturating_sub(rejected as usize);
                 }
-                self.stats.num_drafts += 1;
-                self.stats.num_draft_tokens += e.num_spec_tokens as u64;
-                self.stats.num_accepted_tokens += accepted as u64;
-                for pos in 0..accepted as usize {
-                    if let Some(c) = self.stats.num_accepted_tokens_per_pos.get_mut(pos) {
-                        *c += 1;
-                    }
-                }
+                tally.count(e.num_spec_tokens, accepted);
                 if let Some(c) = self
                     .stats
                     .num_drafts_by_count
@@ -213,6 +209,8 @@ impl Scheduler {
                 finished.push((e.rank, e.slot, reason));
             }
         }
+        tally.add_to(&mut self.stats);
+        self.scratch.tally = tally;
         // Registered in scheduling order, as vLLM registers them (it walks the step's
         // requests in that order): the order of blocks under one hash, and of KV events.
         to_cache.sort_unstable_by_key(|&(rank, _, _)| rank);
