@@ -393,12 +393,16 @@ impl KvCacheManager {
     }
 
     /// Whether [`Self::cache_blocks`] has anything to register for these arguments; if so,
-    /// prefetches the pool lines it will touch, so a later call finds them in cache.
-    pub fn prefetch_cache_blocks(
+    /// prefetches the pool lines it will touch, so a later call finds them in cache, and
+    /// appends the hashes of those blocks to `hashes` for the second wave
+    /// ([`Self::prefetch_chains`]).
+    #[inline]
+    pub(crate) fn prefetch_cache_blocks_noting(
         &self,
         req: &RequestBlocks,
         seq: SequenceView<'_>,
         num_tokens: usize,
+        hashes: &mut Vec<crate::hashing::BlockHash>,
     ) -> bool {
         if !self.pool.caching_enabled() {
             return false;
@@ -407,22 +411,19 @@ impl KvCacheManager {
         if range.is_empty() {
             return false;
         }
+        let block_hashes = &seq.block_hashes[range.clone()];
         self.pool
-            .prefetch_cache_lines(&req.block_ids[range.clone()], &seq.block_hashes[range]);
+            .prefetch_cache_lines(&req.block_ids[range], block_hashes);
+        hashes.extend_from_slice(block_hashes);
         true
     }
 
-    /// The second wave after [`Self::prefetch_cache_blocks`] for the same arguments: the
-    /// records the registrations will link after.
-    pub fn prefetch_cache_chains(
-        &self,
-        req: &RequestBlocks,
-        seq: SequenceView<'_>,
-        num_tokens: usize,
-    ) {
+    /// The second wave after [`Self::prefetch_cache_blocks_noting`], given the hashes it
+    /// noted: the records the registrations will link after (reading their buckets, which the
+    /// first wave prefetched).
+    pub(crate) fn prefetch_chains(&self, hashes: &[crate::hashing::BlockHash]) {
         if self.pool.caching_enabled() {
-            let range = self.blocks_to_cache(req, seq, num_tokens);
-            self.pool.prefetch_cache_chains(&seq.block_hashes[range]);
+            self.pool.prefetch_cache_chains(hashes);
         }
     }
 

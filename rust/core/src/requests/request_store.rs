@@ -134,19 +134,6 @@ impl RequestStore {
         s.request.as_mut()
     }
 
-    /// Prefetches the lines of the record in `slot` that installing drafts touches (the slot's
-    /// first line, with the generation and status, and the inline drafts) without reading it.
-    pub fn prefetch_for_drafts(&self, slot: u32) {
-        if let Some(s) = self.slots.get(slot as usize) {
-            let start = (s as *const Slot).cast::<u8>();
-            crate::memory::prefetch::read(start);
-            let drafts =
-                std::mem::offset_of!(Slot, request) + std::mem::offset_of!(Request, spec_token_ids);
-            crate::memory::prefetch::read(start.wrapping_add(drafts));
-            crate::memory::prefetch::read(start.wrapping_add(drafts + 63));
-        }
-    }
-
     /// Prefetches what applying `num_sampled` tokens reads and appends to for the request in
     /// `slot`: the tail of its tokens, and the tails of its block hashes and block ids only if
     /// those tokens may complete a block (hashed and registered then; a wrong guess costs a miss

@@ -70,10 +70,7 @@ impl Scheduler {
         }
         let mut applied = 0;
         let mut start = 0;
-        for (i, (&(slot, generation), &count)) in slots.iter().zip(counts).enumerate() {
-            if let Some(&(ahead, _)) = slots.get(i + crate::memory::prefetch::RECORD_DISTANCE) {
-                self.store.prefetch_for_drafts(ahead);
-            }
+        for (&(slot, generation), &count) in slots.iter().zip(counts) {
             let end = start + count as usize;
             if let Some(r) = self.store.get_mut_if_current(slot, generation) {
                 if r.status == RequestStatus::Running && !r.is_prefill_chunk {

@@ -1,5 +1,6 @@
 //! The per-step scratch arrays of `schedule()`, indexed by slot and reused across steps.
 
+use crate::hashing::BlockHash;
 use crate::output::EntryKind;
 
 use super::stats::DraftTally;
@@ -33,6 +34,9 @@ pub(super) struct StepScratch {
     /// `update_from_output`'s second pass: (rank, slot, tokens done) of requests with blocks
     /// to cache.
     pub(super) to_cache: Vec<(u32, u32, usize)>,
+    /// `update_from_output`'s hashes of the blocks it will register (their chains are
+    /// prefetched in a second wave).
+    pub(super) cache_hashes: Vec<BlockHash>,
     /// `update_from_output`'s draft counters.
     pub(super) tally: DraftTally,
 }

@@ -64,8 +64,10 @@ impl DraftTally {
         self.drafts += 1;
         self.draft_tokens += u64::from(num_drafts);
         self.accepted_tokens += u64::from(accepted);
-        let capped = (accepted as usize).min(self.by_accepted.len() - 1);
-        self.by_accepted[capped] += 1;
+        let capped = (accepted as usize).min(self.by_accepted.len().saturating_sub(1));
+        if let Some(c) = self.by_accepted.get_mut(capped) {
+            *c += 1;
+        }
     }
 
     /// Adds the tally to `stats` (whose positions it was started with).

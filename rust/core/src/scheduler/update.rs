@@ -105,6 +105,8 @@ impl Scheduler {
         let mut tally = std::mem::take(&mut self.scratch.tally);
         tally.start(self.stats.num_accepted_tokens_per_pos.len());
         let block_size = self.config.block_size;
+        let mut cache_hashes = std::mem::take(&mut self.scratch.cache_hashes);
+        cache_hashes.clear();
         let mut start = 0usize;
         for (i, (e, &count)) in step.entries.iter().zip(counts).enumerate() {
             let ahead = i + crate::memory::prefetch::DISTANCE;
@@ -190,10 +192,12 @@ impl Scheduler {
                     r.num_in_flight_tokens
                 };
                 let done = r.num_computed_tokens.saturating_sub(not_done);
-                if self
-                    .kv
-                    .prefetch_cache_blocks(&r.blocks, r.sequence(), r.num_tokens())
-                {
+                if self.kv.prefetch_cache_blocks_noting(
+                    &r.blocks,
+                    r.sequence(),
+                    r.num_tokens(),
+                    &mut cache_hashes,
+                ) {
                     to_cache.push((e.rank, e.slot, done));
                 }
             }
@@ -214,11 +218,8 @@ impl Scheduler {
         // Registered in scheduling order, as vLLM registers them (it walks the step's
         // requests in that order): the order of blocks under one hash, and of KV events.
         to_cache.sort_unstable_by_key(|&(rank, _, _)| rank);
-        for &(_, slot, _) in &to_cache {
-            let r = self.store.get(slot)?;
-            self.kv
-                .prefetch_cache_chains(&r.blocks, r.sequence(), r.num_tokens());
-        }
+        self.kv.prefetch_chains(&cache_hashes);
+        self.scratch.cache_hashes = cache_hashes;
         for &(_, slot, done) in &to_cache {
             let r = self.store.get_mut(slot)?;
             let seq = SequenceView {
