@@ -53,6 +53,14 @@ pub struct KvCacheManager {
     hash_lookahead_tokens: usize,
 }
 
+/// Rejects an allocation of no tokens.
+fn check_new_tokens(num_new_tokens: usize) -> CoreResult<()> {
+    if num_new_tokens == 0 {
+        return Err(invalid!("num_new_tokens must be positive"));
+    }
+    Ok(())
+}
+
 /// `ceil(a / b)`.
 pub fn cdiv(a: usize, b: usize) -> usize {
     a.div_ceil(b)
@@ -231,9 +239,7 @@ impl KvCacheManager {
         check_hits: bool,
     ) -> CoreResult<()> {
         let bs = self.block_size;
-        if args.num_new_tokens == 0 {
-            return Err(invalid!("num_new_tokens must be positive"));
-        }
+        check_new_tokens(args.num_new_tokens)?;
         let hits = args.new_computed_blocks;
         if args.num_new_computed_tokens != hits.len() * bs {
             return Err(invalid!(
@@ -248,26 +254,13 @@ impl KvCacheManager {
                  no computed tokens"
             ));
         }
-        if args.num_computed_tokens > req.block_ids.len() * bs {
-            return Err(invalid!(
-                "num_computed_tokens ({}) exceeds the {} slots the request owns",
-                args.num_computed_tokens,
-                req.block_ids.len() * bs
-            ));
-        }
-        let end = args
-            .num_computed_tokens
-            .checked_add(args.num_new_computed_tokens)
-            .and_then(|x| x.checked_add(args.num_new_tokens))
-            .and_then(|x| x.checked_add(args.num_lookahead_tokens).map(|_| x))
-            .ok_or_else(|| invalid!("token counts overflow"))?;
-        if end > self.max_model_len {
-            return Err(CoreError::TooLong(format!(
-                "num_computed_tokens + num_new_computed_tokens + num_new_tokens = {end} exceeds \
-                 max_model_len {}",
-                self.max_model_len
-            )));
-        }
+        self.check_owned(req, args.num_computed_tokens)?;
+        let end = self.checked_end(
+            args.num_computed_tokens,
+            args.num_new_computed_tokens,
+            args.num_new_tokens,
+            args.num_lookahead_tokens,
+        )?;
         if args.num_new_computed_tokens > seq.num_tokens().saturating_sub(1) {
             return Err(invalid!(
                 "a prefix hit of {} tokens is not below the sequence's {} tokens",
@@ -294,7 +287,49 @@ impl KvCacheManager {
                 ));
             }
         }
+        self.check_hashes(seq, end)
+    }
+
+    /// Rejects `num_computed_tokens` beyond the slots `req` owns.
+    fn check_owned(&self, req: &RequestBlocks, num_computed_tokens: usize) -> CoreResult<()> {
+        let owned = req.block_ids.len() * self.block_size;
+        if num_computed_tokens > owned {
+            return Err(invalid!(
+                "num_computed_tokens ({num_computed_tokens}) exceeds the {owned} slots the request owns"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The end of the tokens computed after the step (`computed + hits + new`), refused on
+    /// overflow (lookahead included) or past `max_model_len`.
+    fn checked_end(
+        &self,
+        num_computed_tokens: usize,
+        num_new_computed_tokens: usize,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+    ) -> CoreResult<usize> {
+        let end = num_computed_tokens
+            .checked_add(num_new_computed_tokens)
+            .and_then(|x| x.checked_add(num_new_tokens))
+            .and_then(|x| x.checked_add(num_lookahead_tokens).map(|_| x))
+            .ok_or_else(|| invalid!("token counts overflow"))?;
+        if end > self.max_model_len {
+            return Err(CoreError::TooLong(format!(
+                "num_computed_tokens + num_new_computed_tokens + num_new_tokens = {end} exceeds \
+                 max_model_len {}",
+                self.max_model_len
+            )));
+        }
+        Ok(end)
+    }
+
+    /// Rejects a sequence without the hashes of the full blocks below `end` that allocation
+    /// registers.
+    fn check_hashes(&self, seq: SequenceView<'_>, end: usize) -> CoreResult<()> {
         if self.pool.caching_enabled() {
+            let bs = self.block_size;
             let hashable = seq.num_tokens().saturating_sub(self.hash_lookahead_tokens) / bs;
             let to_cache = (end.min(seq.num_tokens()) / bs).min(hashable);
             if to_cache > seq.block_hashes.len() {
@@ -320,6 +355,37 @@ impl KvCacheManager {
         args: AllocateArgs<'_>,
     ) -> CoreResult<Option<usize>> {
         self.allocate(req, seq, args, true)
+    }
+
+    /// [`Self::allocate_slots`] without prefix-cache hits or admission gate (a running
+    /// request's next tokens): the same checks, errors and result, in fewer steps.
+    pub(crate) fn extend_slots(
+        &mut self,
+        req: &mut RequestBlocks,
+        seq: SequenceView<'_>,
+        num_new_tokens: usize,
+        num_computed_tokens: usize,
+        num_lookahead_tokens: usize,
+    ) -> CoreResult<Option<usize>> {
+        crate::fault::hit("allocate_slots.begin")?;
+        // `validate`'s checks that apply without hits, in its order.
+        check_new_tokens(num_new_tokens)?;
+        self.check_owned(req, num_computed_tokens)?;
+        let end = self.checked_end(num_computed_tokens, 0, num_new_tokens, num_lookahead_tokens)?;
+        self.check_hashes(seq, end)?;
+        // `allocate` without hits: every block past those held is new.
+        let need_slot = (end + num_lookahead_tokens).min(self.max_model_len);
+        let first_new = req.block_ids.len();
+        let num_new_blocks = cdiv(need_slot, self.block_size).saturating_sub(first_new);
+        if num_new_blocks > 0 {
+            if num_new_blocks > self.pool.num_free_blocks() {
+                return Ok(None);
+            }
+            self.pool
+                .get_new_blocks(num_new_blocks, &mut req.block_ids)?;
+        }
+        self.cache_blocks(req, seq, end);
+        Ok(Some(first_new))
     }
 
     /// [`Self::allocate_slots`] for hits that [`Self::get_computed_blocks`] has just returned

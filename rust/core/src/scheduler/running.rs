@@ -3,7 +3,6 @@
 //! preempted back to the front of the waiting queue.
 
 use crate::error::{broken, CoreResult};
-use crate::kv_manager::AllocateArgs;
 use crate::lookahead::AllocationKind;
 use crate::output::{EntryKind, StepOutput};
 use crate::requests::queue::Policy;
@@ -61,18 +60,15 @@ impl Scheduler {
                 continue;
             }
             self.scratch.slots[slot as usize].cached_before = r.blocks.num_cached_blocks as u32;
-            let args = AllocateArgs {
-                num_new_tokens: num_new,
-                num_computed_tokens: computed,
-                num_lookahead_tokens: lookahead,
-                ..Default::default()
-            };
             let seq = crate::requests::kv_view::SequenceView {
                 tokens: &r.tokens,
                 block_hashes: &r.block_hashes,
                 extra: &r.spec.extra,
             };
-            let (r, row, first_new) = match self.kv.allocate_slots(&mut r.blocks, seq, args)? {
+            let allocated =
+                self.kv
+                    .extend_slots(&mut r.blocks, seq, num_new, computed, lookahead)?;
+            let (r, row, first_new) = match allocated {
                 Some(first_new) => {
                     if self.kv.kv_events_on() {
                         self.kv.attribute_kv_events(&r.spec.request_id);
@@ -82,7 +78,7 @@ impl Scheduler {
                 None => {
                     let allocated = self.allocate_preempting(
                         slot,
-                        args,
+                        (num_new, computed, lookahead),
                         &mut index,
                         budget,
                         scheduled_order,
@@ -128,14 +124,15 @@ impl Scheduler {
         Ok(prefill_scheduled)
     }
 
-    /// After the pool could not give `slot` (at `index` in `running`) its slots: preempts
-    /// victims until the allocation succeeds (the first new block's index), the request itself
-    /// is preempted, or it is alone and can never fit (ended; `None` both).
+    /// After the pool could not give `slot` (at `index` in `running`) the slots for
+    /// `(num_new, computed, lookahead)` tokens: preempts victims until the allocation succeeds
+    /// (the first new block's index), the request itself is preempted, or it is alone and can
+    /// never fit (ended; `None` both).
     #[allow(clippy::too_many_arguments)]
     fn allocate_preempting(
         &mut self,
         slot: u32,
-        args: AllocateArgs<'_>,
+        (num_new, computed, lookahead): (usize, usize, usize),
         index: &mut usize,
         budget: &mut StepBudget,
         scheduled_order: &mut Vec<u32>,
@@ -174,7 +171,10 @@ impl Scheduler {
                 block_hashes: &r.block_hashes,
                 extra: &r.spec.extra,
             };
-            if let Some(first_new) = self.kv.allocate_slots(&mut r.blocks, seq, args)? {
+            if let Some(first_new) =
+                self.kv
+                    .extend_slots(&mut r.blocks, seq, num_new, computed, lookahead)?
+            {
                 if self.kv.kv_events_on() {
                     self.kv.attribute_kv_events(&r.spec.request_id);
                 }
