@@ -330,8 +330,13 @@ impl KvCacheManager {
     fn check_hashes(&self, seq: SequenceView<'_>, end: usize) -> CoreResult<()> {
         if self.pool.caching_enabled() {
             let bs = self.block_size;
+            let known = end.min(seq.num_tokens());
+            if known < seq.block_hashes.len().saturating_add(1).saturating_mul(bs) {
+                // No more full blocks than hashes (the usual case), found without a division.
+                return Ok(());
+            }
             let hashable = seq.num_tokens().saturating_sub(self.hash_lookahead_tokens) / bs;
-            let to_cache = (end.min(seq.num_tokens()) / bs).min(hashable);
+            let to_cache = (known / bs).min(hashable);
             if to_cache > seq.block_hashes.len() {
                 return Err(invalid!(
                     "sequence has {} block hashes but {to_cache} full blocks to cache",
@@ -376,8 +381,9 @@ impl KvCacheManager {
         // `allocate` without hits: every block past those held is new.
         let need_slot = (end + num_lookahead_tokens).min(self.max_model_len);
         let first_new = req.block_ids.len();
-        let num_new_blocks = cdiv(need_slot, self.block_size).saturating_sub(first_new);
-        if num_new_blocks > 0 {
+        if need_slot > first_new.saturating_mul(self.block_size) {
+            // Past the slots held (most decode steps are not): new blocks.
+            let num_new_blocks = cdiv(need_slot, self.block_size) - first_new;
             if num_new_blocks > self.pool.num_free_blocks() {
                 return Ok(None);
             }
@@ -458,6 +464,21 @@ impl KvCacheManager {
         req.num_cached_blocks.min(num_full)..num_full
     }
 
+    /// Whether the block after those `req` registered is short of full below `num_tokens`
+    /// known tokens, so [`Self::blocks_to_cache`] is empty (most decode steps): found without
+    /// a division.
+    #[inline]
+    fn next_block_unfilled(
+        &self,
+        req: &RequestBlocks,
+        seq: SequenceView<'_>,
+        num_tokens: usize,
+    ) -> bool {
+        let known = num_tokens.min(seq.num_tokens());
+        let next_block = req.num_cached_blocks.saturating_add(1);
+        known < next_block.saturating_mul(self.block_size)
+    }
+
     /// Whether [`Self::cache_blocks`] has anything to register for these arguments; if so,
     /// prefetches the pool lines it will touch, so a later call finds them in cache, and
     /// appends the hashes of those blocks to `hashes` for the second wave
@@ -474,14 +495,26 @@ impl KvCacheManager {
             return false;
         }
         let range = self.blocks_to_cache(req, seq, num_tokens);
+        // Most calls (a decode step that fills no block) have nothing to prefetch: no call then.
         if range.is_empty() {
             return false;
         }
+        self.prefetch_range(req, seq, range, hashes);
+        true
+    }
+
+    /// [`Self::prefetch_cache_blocks_noting`] of a non-empty `range` of blocks.
+    fn prefetch_range(
+        &self,
+        req: &RequestBlocks,
+        seq: SequenceView<'_>,
+        range: std::ops::Range<usize>,
+        hashes: &mut Vec<crate::hashing::BlockHash>,
+    ) {
         let block_hashes = &seq.block_hashes[range.clone()];
         self.pool
             .prefetch_cache_lines(&req.block_ids[range], block_hashes);
         hashes.extend_from_slice(block_hashes);
-        true
     }
 
     /// The second wave after [`Self::prefetch_cache_blocks_noting`], given the hashes it
@@ -503,7 +536,7 @@ impl KvCacheManager {
         seq: SequenceView<'_>,
         num_tokens: usize,
     ) {
-        if !self.pool.caching_enabled() {
+        if !self.pool.caching_enabled() || self.next_block_unfilled(req, seq, num_tokens) {
             return;
         }
         let range = self.blocks_to_cache(req, seq, num_tokens);
@@ -615,5 +648,41 @@ impl KvCacheManager {
             ));
         }
         self.pool.check_invariants(Some(&holders))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hashing::{BlockHash, ExtraKeys};
+
+    /// `next_block_unfilled` answers without a division only where `blocks_to_cache` is empty.
+    #[test]
+    fn an_unfilled_next_block_has_nothing_to_cache() {
+        let kv = KvCacheManager::new(64, 4, 256, true).unwrap();
+        let tokens: Vec<u32> = (0..40).collect();
+        let hashes = vec![[0u8; 32] as BlockHash; 10];
+        let extra = ExtraKeys::default();
+        for num_hashes in [0, 3, 10] {
+            for num_blocks in [0, 2, 10] {
+                for num_cached in 0..=num_blocks.min(num_hashes) {
+                    let req = RequestBlocks {
+                        block_ids: vec![1; num_blocks],
+                        num_cached_blocks: num_cached,
+                        cached_fingerprint: None,
+                    };
+                    let seq = SequenceView {
+                        tokens: &tokens,
+                        block_hashes: &hashes[..num_hashes],
+                        extra: &extra,
+                    };
+                    for num_tokens in 0..48 {
+                        if kv.next_block_unfilled(&req, seq, num_tokens) {
+                            assert!(kv.blocks_to_cache(&req, seq, num_tokens).is_empty());
+                        }
+                    }
+                }
+            }
+        }
     }
 }

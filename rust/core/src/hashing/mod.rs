@@ -131,6 +131,17 @@ impl BlockHasher {
         num_tokens.saturating_sub(self.lookahead) / self.block_size
     }
 
+    /// Whether growing a sequence from `before` to `after` tokens makes more of its blocks
+    /// hashable (`num_hashable_blocks(after) > num_hashable_blocks(before)`, with one division).
+    pub fn hashes_more(&self, before: usize, after: usize) -> bool {
+        let (a, b) = (
+            before.saturating_sub(self.lookahead),
+            after.saturating_sub(self.lookahead),
+        );
+        // The next hashable block ends at a - a % block_size + block_size.
+        b.saturating_sub(a) >= self.block_size - a % self.block_size
+    }
+
     /// The algorithm in use.
     pub fn algo(&self) -> HashAlgo {
         self.algo
@@ -445,6 +456,22 @@ mod tests {
                     <[u8; 32]>::from(Sha256::digest(b))
                 });
                 assert_eq!(*got, want, "block {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn hashes_more_counts_hashable_blocks() {
+        for (bs, lookahead) in [(1, 0), (4, 0), (4, 1), (16, 3)] {
+            let h = BlockHasher::new(HashAlgo::Sha256, bs, b"").with_lookahead(lookahead);
+            for before in 0..40 {
+                for after in 0..40 {
+                    assert_eq!(
+                        h.hashes_more(before, after),
+                        h.num_hashable_blocks(after) > h.num_hashable_blocks(before),
+                        "block size {bs}, lookahead {lookahead}: {before} -> {after}"
+                    );
+                }
             }
         }
     }

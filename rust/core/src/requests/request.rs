@@ -338,7 +338,7 @@ impl Request {
         }
         self.tokens.extend_from_slice(&sampled[..kept]);
         if let Some(h) = hasher {
-            if h.num_hashable_blocks(self.tokens.len()) > h.num_hashable_blocks(len) {
+            if h.hashes_more(len, self.tokens.len()) {
                 h.extend_hashes(&mut self.block_hashes, &self.tokens, &self.spec.extra);
             }
         }
