@@ -1,9 +1,48 @@
 //! Per-step cost of the core scheduler without Python: N running DFlash requests decoding,
 //! uniform 0..K acceptance. `cargo run --release -p dflash-core --example step_cost -- 1024 8`
+//!
+//! The calls of the measured steps (from step 200 on) go through the `measure_*` functions, so
+//! that callgrind can count them alone:
+//! `valgrind --tool=callgrind --toggle-collect='step_cost::measure_*' target/release/examples/step_cost 1024 8`
+//! with e.g. `STEPS=260` (instructions per step = collected / measured steps).
 
 use std::time::Instant;
 
-use dflash_core::{RequestSpec, Scheduler, SchedulerConfig, SpecMethod, StepOutput, UpdateOutput};
+use dflash_core::{
+    CoreResult, RequestSpec, Scheduler, SchedulerConfig, SpecMethod, StepOutput, UpdateOutput,
+};
+
+/// Steps before the measured ones (the prompts' prefills are over by then).
+const WARMUP_STEPS: usize = 200;
+
+/// `schedule()` of a measured step (never inlined: callgrind counts it by name).
+#[inline(never)]
+fn measure_schedule(sched: &mut Scheduler, out: &mut StepOutput) -> CoreResult<()> {
+    sched.schedule(out)
+}
+
+/// `update_from_output()` of a measured step.
+#[inline(never)]
+fn measure_update(
+    sched: &mut Scheduler,
+    step_id: u64,
+    tokens: &[u32],
+    counts: &[u32],
+    upd: &mut UpdateOutput,
+) -> CoreResult<()> {
+    sched.update_from_output(step_id, tokens, counts, upd)
+}
+
+/// `update_draft_token_ids_for_slots()` of a measured step.
+#[inline(never)]
+fn measure_drafts(
+    sched: &mut Scheduler,
+    slots: &[(u32, u32)],
+    drafts: &[u32],
+    counts: &[u32],
+) -> CoreResult<usize> {
+    sched.update_draft_token_ids_for_slots(slots, drafts, counts)
+}
 
 fn main() {
     let args: Vec<usize> = std::env::args()
@@ -65,9 +104,15 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(400);
     for step in 0..num_steps {
+        let measured = step >= WARMUP_STEPS;
         thrash();
         let t0 = Instant::now();
-        sched.schedule(&mut out).expect("schedule");
+        if measured {
+            measure_schedule(&mut sched, &mut out)
+        } else {
+            sched.schedule(&mut out)
+        }
+        .expect("schedule");
         let t1 = Instant::now();
         tokens.clear();
         counts.clear();
@@ -82,9 +127,12 @@ fn main() {
         }
         thrash();
         let t2 = Instant::now();
-        sched
-            .update_from_output(out.step_id, &tokens, &counts, &mut upd)
-            .expect("update");
+        if measured {
+            measure_update(&mut sched, out.step_id, &tokens, &counts, &mut upd)
+        } else {
+            sched.update_from_output(out.step_id, &tokens, &counts, &mut upd)
+        }
+        .expect("update");
         let t3 = Instant::now();
         let slots: Vec<(u32, u32)> = out
             .slots
@@ -100,11 +148,14 @@ fn main() {
         }
         thrash();
         let t4 = Instant::now();
-        sched
-            .update_draft_token_ids_for_slots(&slots, &drafts, &draft_counts)
-            .expect("drafts");
+        if measured {
+            measure_drafts(&mut sched, &slots, &drafts, &draft_counts)
+        } else {
+            sched.update_draft_token_ids_for_slots(&slots, &drafts, &draft_counts)
+        }
+        .expect("drafts");
         let t5 = Instant::now();
-        if step >= 200 && out.num_reqs() == n && !out.is_prefill_chunk.iter().any(|&c| c) {
+        if measured && out.num_reqs() == n && !out.is_prefill_chunk.iter().any(|&c| c) {
             times.push((
                 (t1 - t0).as_nanos(),
                 (t3 - t2).as_nanos(),

@@ -53,6 +53,14 @@ pub struct KvCacheManager {
     hash_lookahead_tokens: usize,
 }
 
+/// Rejects an allocation of no tokens.
+fn check_new_tokens(num_new_tokens: usize) -> CoreResult<()> {
+    if num_new_tokens == 0 {
+        return Err(invalid!("num_new_tokens must be positive"));
+    }
+    Ok(())
+}
+
 /// `ceil(a / b)`.
 pub fn cdiv(a: usize, b: usize) -> usize {
     a.div_ceil(b)
@@ -231,9 +239,7 @@ impl KvCacheManager {
         check_hits: bool,
     ) -> CoreResult<()> {
         let bs = self.block_size;
-        if args.num_new_tokens == 0 {
-            return Err(invalid!("num_new_tokens must be positive"));
-        }
+        check_new_tokens(args.num_new_tokens)?;
         let hits = args.new_computed_blocks;
         if args.num_new_computed_tokens != hits.len() * bs {
             return Err(invalid!(
@@ -248,26 +254,13 @@ impl KvCacheManager {
                  no computed tokens"
             ));
         }
-        if args.num_computed_tokens > req.block_ids.len() * bs {
-            return Err(invalid!(
-                "num_computed_tokens ({}) exceeds the {} slots the request owns",
-                args.num_computed_tokens,
-                req.block_ids.len() * bs
-            ));
-        }
-        let end = args
-            .num_computed_tokens
-            .checked_add(args.num_new_computed_tokens)
-            .and_then(|x| x.checked_add(args.num_new_tokens))
-            .and_then(|x| x.checked_add(args.num_lookahead_tokens).map(|_| x))
-            .ok_or_else(|| invalid!("token counts overflow"))?;
-        if end > self.max_model_len {
-            return Err(CoreError::TooLong(format!(
-                "num_computed_tokens + num_new_computed_tokens + num_new_tokens = {end} exceeds \
-                 max_model_len {}",
-                self.max_model_len
-            )));
-        }
+        self.check_owned(req, args.num_computed_tokens)?;
+        let end = self.checked_end(
+            args.num_computed_tokens,
+            args.num_new_computed_tokens,
+            args.num_new_tokens,
+            args.num_lookahead_tokens,
+        )?;
         if args.num_new_computed_tokens > seq.num_tokens().saturating_sub(1) {
             return Err(invalid!(
                 "a prefix hit of {} tokens is not below the sequence's {} tokens",
@@ -294,9 +287,56 @@ impl KvCacheManager {
                 ));
             }
         }
+        self.check_hashes(seq, end)
+    }
+
+    /// Rejects `num_computed_tokens` beyond the slots `req` owns.
+    fn check_owned(&self, req: &RequestBlocks, num_computed_tokens: usize) -> CoreResult<()> {
+        let owned = req.block_ids.len() * self.block_size;
+        if num_computed_tokens > owned {
+            return Err(invalid!(
+                "num_computed_tokens ({num_computed_tokens}) exceeds the {owned} slots the request owns"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The end of the tokens computed after the step (`computed + hits + new`), refused on
+    /// overflow (lookahead included) or past `max_model_len`.
+    fn checked_end(
+        &self,
+        num_computed_tokens: usize,
+        num_new_computed_tokens: usize,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+    ) -> CoreResult<usize> {
+        let end = num_computed_tokens
+            .checked_add(num_new_computed_tokens)
+            .and_then(|x| x.checked_add(num_new_tokens))
+            .and_then(|x| x.checked_add(num_lookahead_tokens).map(|_| x))
+            .ok_or_else(|| invalid!("token counts overflow"))?;
+        if end > self.max_model_len {
+            return Err(CoreError::TooLong(format!(
+                "num_computed_tokens + num_new_computed_tokens + num_new_tokens = {end} exceeds \
+                 max_model_len {}",
+                self.max_model_len
+            )));
+        }
+        Ok(end)
+    }
+
+    /// Rejects a sequence without the hashes of the full blocks below `end` that allocation
+    /// registers.
+    fn check_hashes(&self, seq: SequenceView<'_>, end: usize) -> CoreResult<()> {
         if self.pool.caching_enabled() {
+            let bs = self.block_size;
+            let known = end.min(seq.num_tokens());
+            if known < seq.block_hashes.len().saturating_add(1).saturating_mul(bs) {
+                // No more full blocks than hashes (the usual case), found without a division.
+                return Ok(());
+            }
             let hashable = seq.num_tokens().saturating_sub(self.hash_lookahead_tokens) / bs;
-            let to_cache = (end.min(seq.num_tokens()) / bs).min(hashable);
+            let to_cache = (known / bs).min(hashable);
             if to_cache > seq.block_hashes.len() {
                 return Err(invalid!(
                     "sequence has {} block hashes but {to_cache} full blocks to cache",
@@ -320,6 +360,38 @@ impl KvCacheManager {
         args: AllocateArgs<'_>,
     ) -> CoreResult<Option<usize>> {
         self.allocate(req, seq, args, true)
+    }
+
+    /// [`Self::allocate_slots`] without prefix-cache hits or admission gate (a running
+    /// request's next tokens): the same checks, errors and result, in fewer steps.
+    pub(crate) fn extend_slots(
+        &mut self,
+        req: &mut RequestBlocks,
+        seq: SequenceView<'_>,
+        num_new_tokens: usize,
+        num_computed_tokens: usize,
+        num_lookahead_tokens: usize,
+    ) -> CoreResult<Option<usize>> {
+        crate::fault::hit("allocate_slots.begin")?;
+        // `validate`'s checks that apply without hits, in its order.
+        check_new_tokens(num_new_tokens)?;
+        self.check_owned(req, num_computed_tokens)?;
+        let end = self.checked_end(num_computed_tokens, 0, num_new_tokens, num_lookahead_tokens)?;
+        self.check_hashes(seq, end)?;
+        // `allocate` without hits: every block past those held is new.
+        let need_slot = (end + num_lookahead_tokens).min(self.max_model_len);
+        let first_new = req.block_ids.len();
+        if need_slot > first_new.saturating_mul(self.block_size) {
+            // Past the slots held (most decode steps are not): new blocks.
+            let num_new_blocks = cdiv(need_slot, self.block_size) - first_new;
+            if num_new_blocks > self.pool.num_free_blocks() {
+                return Ok(None);
+            }
+            self.pool
+                .get_new_blocks(num_new_blocks, &mut req.block_ids)?;
+        }
+        self.cache_blocks(req, seq, end);
+        Ok(Some(first_new))
     }
 
     /// [`Self::allocate_slots`] for hits that [`Self::get_computed_blocks`] has just returned
@@ -368,8 +440,11 @@ impl KvCacheManager {
         }
         let first_new = req.block_ids.len();
         let num_new_blocks = cdiv(need_slot, self.block_size).saturating_sub(first_new);
-        self.pool
-            .get_new_blocks(num_new_blocks, &mut req.block_ids)?;
+        if num_new_blocks > 0 {
+            // Most decode steps fit in the blocks a request holds.
+            self.pool
+                .get_new_blocks(num_new_blocks, &mut req.block_ids)?;
+        }
 
         self.cache_blocks(req, seq, main);
         Ok(Some(first_new))
@@ -389,56 +464,95 @@ impl KvCacheManager {
         req.num_cached_blocks.min(num_full)..num_full
     }
 
-    /// Whether [`Self::cache_blocks`] has anything to register for these arguments; if so,
-    /// prefetches the pool lines it will touch, so a later call finds them in cache.
-    pub fn prefetch_cache_blocks(
+    /// Whether the block after those `req` registered is short of full below `num_tokens`
+    /// known tokens, so [`Self::blocks_to_cache`] is empty (most decode steps): found without
+    /// a division.
+    #[inline]
+    fn next_block_unfilled(
         &self,
         req: &RequestBlocks,
         seq: SequenceView<'_>,
         num_tokens: usize,
     ) -> bool {
-        if !self.pool.caching_enabled() {
-            return false;
-        }
-        let range = self.blocks_to_cache(req, seq, num_tokens);
-        if range.is_empty() {
-            return false;
-        }
-        self.pool
-            .prefetch_cache_lines(&req.block_ids[range.clone()], &seq.block_hashes[range]);
-        true
+        let known = num_tokens.min(seq.num_tokens());
+        let next_block = req.num_cached_blocks.saturating_add(1);
+        known < next_block.saturating_mul(self.block_size)
     }
 
-    /// The second wave after [`Self::prefetch_cache_blocks`] for the same arguments: the
-    /// records the registrations will link after.
-    pub fn prefetch_cache_chains(
+    /// Whether [`Self::cache_blocks`] has anything to register for these arguments; if so,
+    /// prefetches the pool lines it will touch, so a later call finds them in cache, and
+    /// appends the hashes of those blocks to `hashes` for the second wave
+    /// ([`Self::prefetch_chains`]).
+    #[inline]
+    pub(crate) fn prefetch_cache_blocks_noting(
         &self,
         req: &RequestBlocks,
         seq: SequenceView<'_>,
         num_tokens: usize,
+        hashes: &mut Vec<crate::hashing::BlockHash>,
+    ) -> bool {
+        if !self.pool.caching_enabled() {
+            return false;
+        }
+        let range = self.blocks_to_cache(req, seq, num_tokens);
+        // Most calls (a decode step that fills no block) have nothing to prefetch: no call then.
+        if range.is_empty() {
+            return false;
+        }
+        self.prefetch_range(req, seq, range, hashes);
+        true
+    }
+
+    /// [`Self::prefetch_cache_blocks_noting`] of a non-empty `range` of blocks.
+    fn prefetch_range(
+        &self,
+        req: &RequestBlocks,
+        seq: SequenceView<'_>,
+        range: std::ops::Range<usize>,
+        hashes: &mut Vec<crate::hashing::BlockHash>,
     ) {
+        let block_hashes = &seq.block_hashes[range.clone()];
+        self.pool
+            .prefetch_cache_lines(&req.block_ids[range], block_hashes);
+        hashes.extend_from_slice(block_hashes);
+    }
+
+    /// The second wave after [`Self::prefetch_cache_blocks_noting`], given the hashes it
+    /// noted: the records the registrations will link after (reading their buckets, which the
+    /// first wave prefetched).
+    pub(crate) fn prefetch_chains(&self, hashes: &[crate::hashing::BlockHash]) {
         if self.pool.caching_enabled() {
-            let range = self.blocks_to_cache(req, seq, num_tokens);
-            self.pool.prefetch_cache_chains(&seq.block_hashes[range]);
+            self.pool.prefetch_cache_chains(hashes);
         }
     }
 
     /// Registers in the prefix cache every block of `req` that is full of known tokens below
     /// `num_tokens` (whose KV is, or is being, computed) and not registered yet. Never drafts or
     /// lookahead slots.
+    #[inline]
     pub fn cache_blocks(
         &mut self,
         req: &mut RequestBlocks,
         seq: SequenceView<'_>,
         num_tokens: usize,
     ) {
-        if !self.pool.caching_enabled() {
+        if !self.pool.caching_enabled() || self.next_block_unfilled(req, seq, num_tokens) {
             return;
         }
         let range = self.blocks_to_cache(req, seq, num_tokens);
-        if range.is_empty() {
-            return;
+        // Most calls (a decode step that fills no block) register nothing: no call then.
+        if !range.is_empty() {
+            self.cache_range(req, seq, range);
         }
+    }
+
+    /// [`Self::cache_blocks`] of the non-empty `range` of blocks that `blocks_to_cache` gave.
+    fn cache_range(
+        &mut self,
+        req: &mut RequestBlocks,
+        seq: SequenceView<'_>,
+        range: std::ops::Range<usize>,
+    ) {
         let num_full = range.end;
         if range.len() > 1 {
             // A prefill chunk's blocks: their misses overlap when all are asked for first.
@@ -534,5 +648,41 @@ impl KvCacheManager {
             ));
         }
         self.pool.check_invariants(Some(&holders))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hashing::{BlockHash, ExtraKeys};
+
+    /// `next_block_unfilled` answers without a division only where `blocks_to_cache` is empty.
+    #[test]
+    fn an_unfilled_next_block_has_nothing_to_cache() {
+        let kv = KvCacheManager::new(64, 4, 256, true).unwrap();
+        let tokens: Vec<u32> = (0..40).collect();
+        let hashes = vec![[0u8; 32] as BlockHash; 10];
+        let extra = ExtraKeys::default();
+        for num_hashes in [0, 3, 10] {
+            for num_blocks in [0, 2, 10] {
+                for num_cached in 0..=num_blocks.min(num_hashes) {
+                    let req = RequestBlocks {
+                        block_ids: vec![1; num_blocks],
+                        num_cached_blocks: num_cached,
+                        cached_fingerprint: None,
+                    };
+                    let seq = SequenceView {
+                        tokens: &tokens,
+                        block_hashes: &hashes[..num_hashes],
+                        extra: &extra,
+                    };
+                    for num_tokens in 0..48 {
+                        if kv.next_block_unfilled(&req, seq, num_tokens) {
+                            assert!(kv.blocks_to_cache(&req, seq, num_tokens).is_empty());
+                        }
+                    }
+                }
+            }
+        }
     }
 }

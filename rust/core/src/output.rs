@@ -64,6 +64,19 @@ impl StepOutput {
         self.slots.len()
     }
 
+    /// Makes room for `n` more entries in the per-entry columns that `schedule()` fills one
+    /// entry at a time (`query_start_loc` one more).
+    pub(crate) fn reserve_entries(&mut self, n: usize) {
+        self.num_scheduled_tokens.reserve(n);
+        self.num_computed_tokens.reserve(n);
+        self.num_spec_tokens.reserve(n);
+        self.query_start_loc.reserve(n + 1);
+        self.num_output_placeholders.reserve(n);
+        self.is_prefill_chunk.reserve(n);
+        self.num_new_blocks.reserve(n);
+        self.generations.reserve(n);
+    }
+
     /// Clears every vector, keeping capacity.
     pub fn clear(&mut self) {
         self.slots.clear();

@@ -122,15 +122,21 @@ impl BlockTable {
     }
 
     /// Appends block ids to `row` after its current count.
+    #[inline]
     pub fn append(&mut self, row: usize, blocks: &[u32]) {
+        // Most steps give a decoding request no new block: no call then.
+        if !blocks.is_empty() {
+            self.append_blocks(row, blocks);
+        }
+    }
+
+    /// [`Self::append`] of at least one block.
+    fn append_blocks(&mut self, row: usize, blocks: &[u32]) {
         let count = self.counts[row] as usize;
         debug_assert!(
             count + blocks.len() <= self.width,
             "row {row} overflows the table width"
         );
-        if blocks.is_empty() {
-            return;
-        }
         let start = row * self.width + count;
         for (d, &b) in self.table[start..start + blocks.len()]
             .iter_mut()

@@ -131,6 +131,17 @@ impl BlockHasher {
         num_tokens.saturating_sub(self.lookahead) / self.block_size
     }
 
+    /// Whether growing a sequence from `before` to `after` tokens makes more of its blocks
+    /// hashable (`num_hashable_blocks(after) > num_hashable_blocks(before)`, with one division).
+    pub fn hashes_more(&self, before: usize, after: usize) -> bool {
+        let (a, b) = (
+            before.saturating_sub(self.lookahead),
+            after.saturating_sub(self.lookahead),
+        );
+        // The next hashable block ends at a - a % block_size + block_size.
+        b.saturating_sub(a) >= self.block_size - a % self.block_size
+    }
+
     /// The algorithm in use.
     pub fn algo(&self) -> HashAlgo {
         self.algo
@@ -152,6 +163,9 @@ impl BlockHasher {
         index: usize,
     ) -> BlockHash {
         let parent = parent.unwrap_or(&self.root);
+        if let Some(h) = self.hash_plain_block(parent, tokens, lookahead, extra, index) {
+            return h;
+        }
         let salt = if index == 0 {
             extra.cache_salt.as_deref()
         } else {
@@ -204,6 +218,39 @@ impl BlockHasher {
         })
     }
 
+    /// The SHA-256 hash of a block without extra keys (no LoRA name, salt, lookahead or
+    /// embedding digest: the usual block), encoded straight into a padded message; None for
+    /// any other block, which [`Self::hash_block`] encodes with its keys. The bytes are those
+    /// of [`encode`] without extra keys.
+    #[inline]
+    fn hash_plain_block(
+        &self,
+        parent: &BlockHash,
+        tokens: &[u32],
+        lookahead: &[u32],
+        extra: &ExtraKeys,
+        index: usize,
+    ) -> Option<BlockHash> {
+        let len = HASH_BYTES + 4 + 4 * tokens.len();
+        let plain = self.algo == HashAlgo::Sha256
+            && lookahead.is_empty()
+            && extra.lora_name.is_none()
+            && (index > 0 || extra.cache_salt.is_none())
+            && extra.block_key(index).is_none()
+            && len <= sha256::MAX_INLINE;
+        if !plain {
+            return None;
+        }
+        let mut msg = sha256::PaddedMessage::new(len);
+        let buf = msg.message_mut();
+        buf[..HASH_BYTES].copy_from_slice(parent);
+        buf[HASH_BYTES..HASH_BYTES + 4].copy_from_slice(&(tokens.len() as u32).to_le_bytes());
+        for (dst, t) in buf[HASH_BYTES + 4..].chunks_exact_mut(4).zip(tokens) {
+            dst.copy_from_slice(&t.to_le_bytes());
+        }
+        Some(msg.digest())
+    }
+
     /// Appends the hashes of every hashable block of `tokens` (see
     /// [`Self::num_hashable_blocks`]) not yet in `hashes`.
     pub fn extend_hashes(&self, hashes: &mut Vec<BlockHash>, tokens: &[u32], extra: &ExtraKeys) {
@@ -214,7 +261,13 @@ impl BlockHasher {
             let block = &tokens[i * self.block_size..end];
             let lookahead = &tokens[end..end + self.lookahead];
             let parent = if i == 0 { None } else { Some(&hashes[i - 1]) };
-            let h = self.hash_block(parent, block, lookahead, extra, i);
+            // The usual block without a call; any other through `hash_block`.
+            let plain =
+                self.hash_plain_block(parent.unwrap_or(&self.root), block, lookahead, extra, i);
+            let h = match plain {
+                Some(h) => h,
+                None => self.hash_block(parent, block, lookahead, extra, i),
+            };
             hashes.push(h);
         }
     }
@@ -374,6 +427,53 @@ mod tests {
         // Past the prompt's blocks the chain alone keys the block.
         assert_ne!(a[2], plain[2]);
         assert_ne!(a[2], b[2]);
+    }
+
+    /// A block without extra keys hashes (through `hash_plain_block`) to the SHA-256 of its
+    /// canonical encoding without extra keys, as every other block does with its keys.
+    #[test]
+    fn plain_blocks_hash_their_encoding() {
+        let h = BlockHasher::new(HashAlgo::Sha256, 16, b"plain");
+        let tokens: Vec<u32> = (0..48).map(|i| i * 7919 + 3).collect();
+        let salted = ExtraKeys {
+            cache_salt: Some("s".into()),
+            ..Default::default()
+        };
+        for extra in [ExtraKeys::default(), salted] {
+            let mut hashes = Vec::new();
+            h.extend_hashes(&mut hashes, &tokens, &extra);
+            for (i, got) in hashes.iter().enumerate() {
+                let parent = if i == 0 { &h.root } else { &hashes[i - 1] };
+                let block = &tokens[16 * i..16 * (i + 1)];
+                let salt = extra.cache_salt.as_deref().filter(|_| i == 0);
+                let extras: TaggedExtras<'_> = [
+                    (TAG_LORA, None),
+                    (TAG_SALT, salt.map(str::as_bytes)),
+                    (TAG_LOOKAHEAD, None),
+                    (TAG_EMBEDS, None),
+                ];
+                let want = with_encoding(parent, block, &extras, |b| {
+                    <[u8; 32]>::from(Sha256::digest(b))
+                });
+                assert_eq!(*got, want, "block {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn hashes_more_counts_hashable_blocks() {
+        for (bs, lookahead) in [(1, 0), (4, 0), (4, 1), (16, 3)] {
+            let h = BlockHasher::new(HashAlgo::Sha256, bs, b"").with_lookahead(lookahead);
+            for before in 0..40 {
+                for after in 0..40 {
+                    assert_eq!(
+                        h.hashes_more(before, after),
+                        h.num_hashable_blocks(after) > h.num_hashable_blocks(before),
+                        "block size {bs}, lookahead {lookahead}: {before} -> {after}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -11,10 +11,6 @@
 /// (vector tails), which reads the record.
 pub const DISTANCE: usize = 4;
 
-/// How many requests ahead the draft update prefetches the request records themselves (its
-/// loop is short, so it runs further ahead than [`DISTANCE`]).
-pub const RECORD_DISTANCE: usize = 3 * DISTANCE;
-
 /// How many free-queue entries past the head the pool prefetches the records of, when it pops
 /// blocks (the next pops take them).
 pub const POP_DISTANCE: usize = 4;

@@ -315,7 +315,10 @@ impl BlockPool {
         match self.events.as_deref_mut() {
             None => {
                 for &b in popped {
-                    self.prefix.remove(&mut self.meta, b);
+                    // Most reused blocks were never registered: no call for them.
+                    if self.prefix.is_registered(&self.meta, b) {
+                        self.prefix.remove(&mut self.meta, b);
+                    }
                 }
             }
             Some(log) => {

@@ -112,6 +112,26 @@ pub struct StopRules {
 }
 
 impl StopRules {
+    /// The first of `tokens` that stops the request (EOS unless ignored, or a stop token): its
+    /// index, and the stop token if it is one (EOS is checked first).
+    fn first_stop(&self, tokens: &[u32]) -> Option<(usize, Option<u32>)> {
+        let eos = self.eos_token_id.filter(|_| !self.ignore_eos);
+        if self.stop_token_ids.is_empty() {
+            // The usual rules: one comparison per token, or none without EOS.
+            let eos = eos?;
+            return tokens.iter().position(|&t| t == eos).map(|i| (i, None));
+        }
+        tokens.iter().enumerate().find_map(|(i, &t)| {
+            if eos == Some(t) {
+                Some((i, None))
+            } else if self.stop_token_ids.contains(&t) {
+                Some((i, Some(t)))
+            } else {
+                None
+            }
+        })
+    }
+
     /// Takes the rules out of `spec` (its `stop_token_ids` is left empty).
     fn take_from(spec: &mut RequestSpec) -> Self {
         Self {
@@ -259,6 +279,26 @@ impl Request {
         }
     }
 
+    /// Replaces the draft tokens with `drafts`.
+    pub(crate) fn set_drafts(&mut self, drafts: &[u32]) {
+        if drafts.len() > INLINE_DRAFTS {
+            self.spec_token_ids.clear();
+            self.spec_token_ids.extend_from_slice(drafts);
+            return;
+        }
+        // A few tokens, copied four at a time into an inline buffer: `extend_from_slice` would
+        // make room with a zero-length move and copy with a call, which cost more.
+        let mut buf = [0u32; INLINE_DRAFTS];
+        let (whole, rest) = drafts.split_at(drafts.len() / 4 * 4);
+        for (dst, src) in buf.chunks_exact_mut(4).zip(whole.chunks_exact(4)) {
+            dst.copy_from_slice(src);
+        }
+        for (dst, &t) in buf[whole.len()..].iter_mut().zip(rest) {
+            *dst = t;
+        }
+        self.spec_token_ids = SmallVec::from_buf_and_len(buf, drafts.len());
+    }
+
     /// Whether the request has finished.
     pub fn is_finished(&self) -> bool {
         matches!(self.status, RequestStatus::Finished(_))
@@ -284,31 +324,21 @@ impl Request {
             .min(self.stop.max_tokens.saturating_sub(num_output + 1));
         let token_stops_from = self.stop.min_tokens.saturating_sub(num_output + 1);
         let scan_end = sampled.len().min(length_stop.saturating_add(1));
-        let eos = self.stop.eos_token_id.filter(|_| !self.stop.ignore_eos);
         let mut finish = None;
         let mut kept = sampled.len();
-        for (i, &t) in sampled
-            .iter()
-            .enumerate()
-            .take(scan_end)
-            .skip(token_stops_from)
-        {
-            if eos == Some(t) {
-                (kept, finish) = (i + 1, Some(FinishReason::Stop));
-                break;
+        let scanned = sampled.get(token_stops_from..scan_end).unwrap_or_default();
+        if let Some((i, stop_token)) = self.stop.first_stop(scanned) {
+            if stop_token.is_some() {
+                self.stop_token = stop_token;
             }
-            if self.stop.stop_token_ids.contains(&t) {
-                self.stop_token = Some(t);
-                (kept, finish) = (i + 1, Some(FinishReason::Stop));
-                break;
-            }
+            (kept, finish) = (token_stops_from + i + 1, Some(FinishReason::Stop));
         }
         if finish.is_none() && length_stop < sampled.len() {
             (kept, finish) = (length_stop + 1, Some(FinishReason::Length));
         }
         self.tokens.extend_from_slice(&sampled[..kept]);
         if let Some(h) = hasher {
-            if h.num_hashable_blocks(self.tokens.len()) > h.num_hashable_blocks(len) {
+            if h.hashes_more(len, self.tokens.len()) {
                 h.extend_hashes(&mut self.block_hashes, &self.tokens, &self.spec.extra);
             }
         }

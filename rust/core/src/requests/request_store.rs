@@ -109,6 +109,22 @@ impl RequestStore {
             .ok_or_else(|| broken!("slot {slot} holds no request"))
     }
 
+    /// The request in `slot`, mutably, and its block-table row.
+    pub fn get_mut_with_row(&mut self, slot: u32) -> CoreResult<(&mut Request, Option<u32>)> {
+        self.slots
+            .get_mut(slot as usize)
+            .and_then(|s| Some((s.request.as_mut()?, s.row)))
+            .ok_or_else(|| broken!("slot {slot} holds no request"))
+    }
+
+    /// The request in `slot`, mutably, and the slot's generation.
+    pub fn get_mut_with_generation(&mut self, slot: u32) -> CoreResult<(u32, &mut Request)> {
+        self.slots
+            .get_mut(slot as usize)
+            .and_then(|s| Some((s.generation, s.request.as_mut()?)))
+            .ok_or_else(|| broken!("slot {slot} holds no request"))
+    }
+
     /// The live request in `slot` if its generation still matches.
     pub fn get_mut_if_current(&mut self, slot: u32, generation: u32) -> Option<&mut Request> {
         let s = self.slots.get_mut(slot as usize)?;
@@ -116,19 +132,6 @@ impl RequestStore {
             return None;
         }
         s.request.as_mut()
-    }
-
-    /// Prefetches the lines of the record in `slot` that installing drafts touches (the slot's
-    /// first line, with the generation and status, and the inline drafts) without reading it.
-    pub fn prefetch_for_drafts(&self, slot: u32) {
-        if let Some(s) = self.slots.get(slot as usize) {
-            let start = (s as *const Slot).cast::<u8>();
-            crate::memory::prefetch::read(start);
-            let drafts =
-                std::mem::offset_of!(Slot, request) + std::mem::offset_of!(Request, spec_token_ids);
-            crate::memory::prefetch::read(start.wrapping_add(drafts));
-            crate::memory::prefetch::read(start.wrapping_add(drafts + 63));
-        }
     }
 
     /// Prefetches what applying `num_sampled` tokens reads and appends to for the request in

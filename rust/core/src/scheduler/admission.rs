@@ -324,19 +324,19 @@ impl Scheduler {
         self.rows.add(&mut self.store, slot, &blocks);
         self.store.get_mut(slot)?.blocks.block_ids = blocks;
         self.running.push(slot);
-        let s = slot as usize;
-        self.scratch.scheduled[s] = num_new as u32;
-        self.scratch.kind[s] = Some(kind);
-        self.scratch.new_blocks_start[s] = 0;
-        self.scratch.computed_before[s] = hit_tokens as u32;
-        self.scratch.cached_before[s] = (hit_tokens / self.config.block_size) as u32;
+        let e = &mut self.scratch.slots[slot as usize];
+        e.scheduled = num_new as u32;
+        e.kind = Some(kind);
+        e.new_blocks_start = 0;
+        e.computed_before = hit_tokens as u32;
+        e.cached_before = (hit_tokens / self.config.block_size) as u32;
         let r = self.store.get_mut(slot)?;
         r.spec_token_ids.clear();
         if pad {
             r.spec_token_ids
                 .resize(self.config.num_speculative_tokens, PLACEHOLDER_TOKEN);
         }
-        self.scratch.num_spec[s] = r.spec_token_ids.len() as u32;
+        self.scratch.slots[slot as usize].num_spec = r.spec_token_ids.len() as u32;
         Ok(())
     }
 

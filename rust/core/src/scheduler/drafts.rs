@@ -29,8 +29,7 @@ impl Scheduler {
             };
             if let Ok(r) = self.store.get_mut(slot) {
                 if r.status == RequestStatus::Running && !r.is_prefill_chunk {
-                    r.spec_token_ids.clear();
-                    r.spec_token_ids.extend_from_slice(tokens);
+                    r.set_drafts(tokens);
                     applied += 1;
                 }
             }
@@ -71,15 +70,11 @@ impl Scheduler {
         }
         let mut applied = 0;
         let mut start = 0;
-        for (i, (&(slot, generation), &count)) in slots.iter().zip(counts).enumerate() {
-            if let Some(&(ahead, _)) = slots.get(i + crate::memory::prefetch::RECORD_DISTANCE) {
-                self.store.prefetch_for_drafts(ahead);
-            }
+        for (&(slot, generation), &count) in slots.iter().zip(counts) {
             let end = start + count as usize;
             if let Some(r) = self.store.get_mut_if_current(slot, generation) {
                 if r.status == RequestStatus::Running && !r.is_prefill_chunk {
-                    r.spec_token_ids.clear();
-                    r.spec_token_ids.extend_from_slice(&tokens[start..end]);
+                    r.set_drafts(&tokens[start..end]);
                     applied += 1;
                 }
             }

@@ -15,15 +15,15 @@ impl Scheduler {
         out: &mut StepOutput,
         scheduled_order: Vec<u32>,
     ) -> CoreResult<()> {
-        let scheduled = &self.scratch.scheduled;
+        let steps = &self.scratch.slots;
         self.rows.partition_scheduled(&mut self.store, |slot| {
-            scheduled.get(slot as usize).is_some_and(|&n| n > 0)
+            steps.get(slot as usize).is_some_and(|e| e.scheduled > 0)
         });
         debug_assert_eq!(
             self.rows
                 .owners()
                 .iter()
-                .take_while(|&&s| self.scratch.scheduled[s as usize] > 0)
+                .take_while(|&&s| self.scratch.slots[s as usize].scheduled > 0)
                 .count(),
             scheduled_order.len()
         );
@@ -32,90 +32,75 @@ impl Scheduler {
         out.step_id = step_id;
         out.num_lookahead_tokens = self.lookahead_tokens();
         for (rank, &slot) in scheduled_order.iter().enumerate() {
-            self.scratch.rank[slot as usize] = rank as u32;
+            self.scratch.slots[slot as usize].rank = rank as u32;
         }
         let n = scheduled_order.len();
-        let StepOutput {
-            slots,
-            kinds,
-            num_scheduled_tokens,
-            num_computed_tokens,
-            num_output_placeholders,
-            query_start_loc,
-            is_prefill_chunk,
-            new_block_ids,
-            num_new_blocks,
-            generations,
-            spec_token_ids,
-            num_spec_tokens,
-            ..
-        } = out;
-        // Columns that come from the step's scratch arrays, one tight pass each; then one pass
-        // over the requests for what their records hold.
-        slots.extend_from_slice(&self.rows.owners()[..n]);
-        let scratch = &self.scratch;
-        for &slot in slots.iter() {
-            kinds.push(
-                scratch.kind[slot as usize]
+        out.slots.extend_from_slice(&self.rows.owners()[..n]);
+        let steps = &self.scratch.slots;
+        for &slot in &out.slots {
+            out.kinds.push(
+                steps[slot as usize]
+                    .kind
                     .ok_or_else(|| broken!("scheduled slot {slot} without kind"))?,
             );
         }
-        num_scheduled_tokens.extend(slots.iter().map(|&s| scratch.scheduled[s as usize] as i32));
-        num_computed_tokens.extend(
-            slots
-                .iter()
-                .map(|&s| scratch.computed_before[s as usize] as i32),
-        );
-        num_spec_tokens.extend(slots.iter().map(|&s| scratch.num_spec[s as usize]));
-        query_start_loc.push(0);
+        out.reserve_entries(n);
+        out.query_start_loc.push(0);
         let mut total = 0i32;
-        query_start_loc.extend(num_scheduled_tokens.iter().map(|&t| {
-            total += t;
-            total
-        }));
         let mut entries = Vec::with_capacity(n);
-        for &slot in slots.iter() {
-            let s = slot as usize;
-            let num_new = self.scratch.scheduled[s] as usize;
-            let num_spec = self.scratch.num_spec[s] as usize;
-            let generation = self.store.generation(slot);
-            let r = self.store.get_mut(slot)?;
+        let (async_scheduling, k) = (
+            self.config.async_scheduling,
+            self.config.num_speculative_tokens,
+        );
+        for &slot in &out.slots {
+            let e = self.scratch.slots[slot as usize];
+            let (num_new, num_spec) = (e.scheduled as usize, e.num_spec as usize);
+            total += num_new as i32;
+            out.num_scheduled_tokens.push(num_new as i32);
+            out.num_computed_tokens.push(e.computed_before as i32);
+            out.num_spec_tokens.push(e.num_spec);
+            out.query_start_loc.push(total);
+            let (generation, r) = self.store.get_mut_with_generation(slot)?;
             r.num_computed_tokens += num_new;
             r.num_in_flight_tokens += num_new;
             let was_prefill_chunk = r.is_prefill_chunk;
             r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens() + r.num_output_placeholders;
-            num_output_placeholders.push(r.num_output_placeholders as u32);
-            is_prefill_chunk.push(r.is_prefill_chunk);
-            let new_blocks = &r.blocks.block_ids[self.scratch.new_blocks_start[s] as usize..];
-            new_block_ids.extend_from_slice(new_blocks);
-            num_new_blocks.push(new_blocks.len() as u32);
-            generations.push(generation);
+            out.num_output_placeholders
+                .push(r.num_output_placeholders as u32);
+            out.is_prefill_chunk.push(r.is_prefill_chunk);
+            let new_blocks = &r.blocks.block_ids[e.new_blocks_start as usize..];
+            if !new_blocks.is_empty() {
+                out.new_block_ids.extend_from_slice(new_blocks);
+            }
+            out.num_new_blocks.push(new_blocks.len() as u32);
+            out.generations.push(generation);
             let spec = r
                 .spec_token_ids
                 .get(..num_spec)
                 .ok_or_else(|| broken!("scheduled drafts of slot {slot} went missing"))?;
-            spec_token_ids.extend_from_slice(spec);
+            out.spec_token_ids.extend_from_slice(spec);
             r.spec_token_ids.clear();
             entries.push(InFlightEntry {
                 slot,
                 generation,
-                rank: self.scratch.rank[s],
+                rank: e.rank,
                 num_spec_tokens: num_spec as u32,
                 is_prefill_chunk: r.is_prefill_chunk,
                 num_scheduled: num_new as u32,
                 preemptions: r.num_preemptions,
                 drop_output: false,
                 was_prefill_chunk,
-                admitted: self.scratch.kind[s] != Some(EntryKind::Running),
-                cached_before: self.scratch.cached_before[s],
+                admitted: e.kind != Some(EntryKind::Running),
+                cached_before: e.cached_before,
             });
-            if self.config.async_scheduling && !r.is_prefill_chunk {
-                add_output_placeholders(r, num_spec, self.config.num_speculative_tokens);
+            if async_scheduling && !r.is_prefill_chunk {
+                add_output_placeholders(r, num_spec, k);
             }
         }
-        for &slot in slots.iter() {
-            self.scratch.scheduled[slot as usize] = 0;
-            self.scratch.kind[slot as usize] = None;
+        for &slot in &out.slots {
+            let e = &mut self.scratch.slots[slot as usize];
+            e.scheduled = 0;
+            e.kind = None;
         }
         out.total_num_scheduled_tokens = total as usize;
         out.finished_req_ids.append(&mut self.finished_ids);

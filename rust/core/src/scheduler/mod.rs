@@ -14,7 +14,7 @@
 //! 1. `admission.rs`: `add_request` validates and enqueues a request.
 //! 2. `drafts.rs`: the runner installs draft tokens for the next step.
 //! 3. `schedule()` (here) plans the step in three phases, within the step's token budget
-//!    (`budget.rs`) and prefill cadence (`cadence.rs`), on per-slot scratch arrays
+//!    (`budget.rs`) and prefill cadence (`cadence.rs`), on per-slot scratch records
 //!    (`scratch.rs`):
 //!    - A, `running.rs`: running requests get their next tokens; a short pool preempts;
 //!    - B, `admission.rs`: waiting requests are admitted (`hold.rs`: those held back);

@@ -3,7 +3,6 @@
 //! preempted back to the front of the waiting queue.
 
 use crate::error::{broken, CoreResult};
-use crate::kv_manager::AllocateArgs;
 use crate::lookahead::AllocationKind;
 use crate::output::{EntryKind, StepOutput};
 use crate::requests::queue::Policy;
@@ -36,7 +35,7 @@ impl Scheduler {
             self.rows
                 .prefetch_append(index + crate::memory::prefetch::DISTANCE);
             let slot = self.running[index];
-            let r = self.store.get(slot)?;
+            let (r, row) = self.store.get_mut_with_row(slot)?;
             if r.in_flight_reaches_max_tokens() || (hold_prefills && r.is_prefill_chunk) {
                 // Held back: its next prefill chunk waits for a step that carries prefills.
                 index += 1;
@@ -60,87 +59,128 @@ impl Scheduler {
                 index += 1;
                 continue;
             }
-            let mut allocated = None;
-            self.scratch.cached_before[slot as usize] = r.blocks.num_cached_blocks as u32;
-            loop {
-                let r = self.store.get_mut(slot)?;
-                let args = AllocateArgs {
-                    num_new_tokens: num_new,
-                    num_computed_tokens: computed,
-                    num_lookahead_tokens: lookahead,
-                    ..Default::default()
-                };
-                let seq = crate::requests::kv_view::SequenceView {
-                    tokens: &r.tokens,
-                    block_hashes: &r.block_hashes,
-                    extra: &r.spec.extra,
-                };
-                if let Some(first_new) = self.kv.allocate_slots(&mut r.blocks, seq, args)? {
+            self.scratch.slots[slot as usize].cached_before = r.blocks.num_cached_blocks as u32;
+            let seq = crate::requests::kv_view::SequenceView {
+                tokens: &r.tokens,
+                block_hashes: &r.block_hashes,
+                extra: &r.spec.extra,
+            };
+            let allocated =
+                self.kv
+                    .extend_slots(&mut r.blocks, seq, num_new, computed, lookahead)?;
+            let (r, row, first_new) = match allocated {
+                Some(first_new) => {
                     if self.kv.kv_events_on() {
                         self.kv.attribute_kv_events(&r.spec.request_id);
                     }
-                    allocated = Some(first_new);
-                    break;
+                    (r, row, first_new)
                 }
-                if self.running.len() == 1 {
-                    // Alone and still short: the pool can never hold this request. End it
-                    // instead of letting it preempt itself forever.
-                    self.end_unservable(slot)?;
-                    break;
+                None => {
+                    let allocated = self.allocate_preempting(
+                        slot,
+                        (num_new, computed, lookahead),
+                        &mut index,
+                        budget,
+                        scheduled_order,
+                        preempted_any,
+                        out,
+                    )?;
+                    let Some(first_new) = allocated else {
+                        if self.store.slot_of_generation(slot).is_none() {
+                            // Ended: the pool can never hold it; `running` is empty now.
+                            break;
+                        }
+                        if self.config.policy == Policy::Priority
+                            && self.config.vllm_semantics == VllmSemantics::V0_33
+                        {
+                            // The current request preempted itself; try the next one (vLLM
+                            // 0.33; 0.32 ends the running phase here).
+                            continue;
+                        }
+                        break;
+                    };
+                    // Preemptions moved rows: the row is read again.
+                    let (r, row) = self.store.get_mut_with_row(slot)?;
+                    (r, row, first_new)
                 }
-                let victim_index = self.pick_victim()?;
-                let victim = self.running.remove(victim_index);
-                *preempted_any = true;
-                if victim_index < index {
-                    // Priority policy: the victim was already scheduled this step; undo it, and
-                    // take back the prefix-cache entries it registered for KV never computed.
-                    budget.give_back(self.scratch.scheduled[victim as usize] as usize);
-                    let cached_before = self.scratch.cached_before[victim as usize] as usize;
-                    self.scratch.unschedule(victim);
-                    scheduled_order.retain(|&s| s != victim);
-                    index -= 1;
-                    let v = self.store.get_mut(victim)?;
-                    self.kv.uncache_blocks(&mut v.blocks, cached_before);
-                }
-                self.preempt(victim, out)?;
-                if victim == slot {
-                    break;
-                }
-            }
-            let Some(first_new) = allocated else {
-                if self.store.slot_of_generation(slot).is_none() {
-                    // Ended above: the pool can never hold it; `running` is empty now.
-                    break;
-                }
-                if self.config.policy == Policy::Priority
-                    && self.config.vllm_semantics == VllmSemantics::V0_33
-                {
-                    // The current request preempted itself; try the next one (vLLM 0.33; 0.32
-                    // ends the running phase here).
-                    continue;
-                }
-                break;
             };
-            if let Some(row) = self.store.row(slot) {
-                let r = self.store.get(slot)?;
+            if let Some(row) = row {
                 self.rows
                     .append(row as usize, &r.blocks.block_ids[first_new..]);
             }
-            let r = self.store.get_mut(slot)?;
-            let s = slot as usize;
-            self.scratch.scheduled[s] = num_new as u32;
-            self.scratch.kind[s] = Some(EntryKind::Running);
-            self.scratch.new_blocks_start[s] = first_new as u32;
-            self.scratch.computed_before[s] = computed as u32;
             let num_spec = (num_new + computed).saturating_sub(r.num_tokens() + placeholders);
             r.spec_token_ids.truncate(num_spec);
-            self.scratch.num_spec[s] = r.spec_token_ids.len() as u32;
+            let e = &mut self.scratch.slots[slot as usize];
+            e.scheduled = num_new as u32;
+            e.kind = Some(EntryKind::Running);
+            e.new_blocks_start = first_new as u32;
+            e.computed_before = computed as u32;
+            e.num_spec = r.spec_token_ids.len() as u32;
             prefill_scheduled |= r.is_prefill_chunk;
             scheduled_order.push(slot);
             budget.take(num_new);
             index += 1;
         }
         Ok(prefill_scheduled)
+    }
+
+    /// After the pool could not give `slot` (at `index` in `running`) the slots for
+    /// `(num_new, computed, lookahead)` tokens: preempts victims until the allocation succeeds
+    /// (the first new block's index), the request itself is preempted, or it is alone and can
+    /// never fit (ended; `None` both).
+    #[allow(clippy::too_many_arguments)]
+    fn allocate_preempting(
+        &mut self,
+        slot: u32,
+        (num_new, computed, lookahead): (usize, usize, usize),
+        index: &mut usize,
+        budget: &mut StepBudget,
+        scheduled_order: &mut Vec<u32>,
+        preempted_any: &mut bool,
+        out: &mut StepOutput,
+    ) -> CoreResult<Option<usize>> {
+        loop {
+            if self.running.len() == 1 {
+                // Alone and still short: the pool can never hold this request. End it
+                // instead of letting it preempt itself forever.
+                self.end_unservable(slot)?;
+                return Ok(None);
+            }
+            let victim_index = self.pick_victim()?;
+            let victim = self.running.remove(victim_index);
+            *preempted_any = true;
+            if victim_index < *index {
+                // Priority policy: the victim was already scheduled this step; undo it, and
+                // take back the prefix-cache entries it registered for KV never computed.
+                let v = self.scratch.slots[victim as usize];
+                budget.give_back(v.scheduled as usize);
+                let cached_before = v.cached_before as usize;
+                self.scratch.unschedule(victim);
+                scheduled_order.retain(|&s| s != victim);
+                *index -= 1;
+                let v = self.store.get_mut(victim)?;
+                self.kv.uncache_blocks(&mut v.blocks, cached_before);
+            }
+            self.preempt(victim, out)?;
+            if victim == slot {
+                return Ok(None);
+            }
+            let r = self.store.get_mut(slot)?;
+            let seq = crate::requests::kv_view::SequenceView {
+                tokens: &r.tokens,
+                block_hashes: &r.block_hashes,
+                extra: &r.spec.extra,
+            };
+            if let Some(first_new) =
+                self.kv
+                    .extend_slots(&mut r.blocks, seq, num_new, computed, lookahead)?
+            {
+                if self.kv.kv_events_on() {
+                    self.kv.attribute_kv_events(&r.spec.request_id);
+                }
+                return Ok(Some(first_new));
+            }
+        }
     }
 
     /// Index in `running` of the request to preempt.

@@ -1,52 +1,60 @@
 //! The per-step scratch arrays of `schedule()`, indexed by slot and reused across steps.
 
+use crate::hashing::BlockHash;
 use crate::output::EntryKind;
+
+use super::stats::DraftTally;
+
+/// What `schedule()` records about one slot in the step it plans.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct SlotStep {
+    /// Tokens scheduled (0 = not scheduled).
+    pub(super) scheduled: u32,
+    /// Entry kind.
+    pub(super) kind: Option<EntryKind>,
+    /// First new block index.
+    pub(super) new_blocks_start: u32,
+    /// Computed tokens before this step.
+    pub(super) computed_before: u32,
+    /// Prefix-cached blocks before this step's allocation.
+    pub(super) cached_before: u32,
+    /// Draft tokens scheduled: the first ones of the request's `spec_token_ids`, which keep
+    /// them until `finish_step` copies them out.
+    pub(super) num_spec: u32,
+    /// Position in this step's scheduling order (scheduled slots).
+    pub(super) rank: u32,
+}
 
 /// Per-step scratch state of `schedule()`.
 #[derive(Debug, Default)]
 pub(super) struct StepScratch {
-    /// Tokens scheduled per slot this step (0 = not scheduled).
-    pub(super) scheduled: Vec<u32>,
-    /// Entry kind per slot.
-    pub(super) kind: Vec<Option<EntryKind>>,
-    /// First new block index per slot.
-    pub(super) new_blocks_start: Vec<u32>,
-    /// Computed tokens before this step per slot.
-    pub(super) computed_before: Vec<u32>,
-    /// Prefix-cached blocks before this step's allocation, per slot.
-    pub(super) cached_before: Vec<u32>,
-    /// Draft tokens scheduled per slot: the first ones of the request's `spec_token_ids`,
-    /// which keep them until `finish_step` copies them out.
-    pub(super) num_spec: Vec<u32>,
-    /// Position in this step's scheduling order, per scheduled slot.
-    pub(super) rank: Vec<u32>,
+    /// Per slot (one record, so a slot's fields are one bounds check and one line away).
+    pub(super) slots: Vec<SlotStep>,
     pub(super) hits: Vec<u32>,
     /// `update_from_output`'s second pass: (rank, slot, tokens done) of requests with blocks
     /// to cache.
     pub(super) to_cache: Vec<(u32, u32, usize)>,
+    /// `update_from_output`'s hashes of the blocks it will register (their chains are
+    /// prefetched in a second wave).
+    pub(super) cache_hashes: Vec<BlockHash>,
+    /// `update_from_output`'s draft counters.
+    pub(super) tally: DraftTally,
 }
 
 impl StepScratch {
-    /// Grows the arrays to `num_slots` slots.
+    /// Grows the per-slot records to `num_slots` slots.
     pub(super) fn ensure(&mut self, num_slots: usize) {
-        if self.scheduled.len() < num_slots {
-            self.scheduled.resize(num_slots, 0);
-            self.kind.resize(num_slots, None);
-            self.new_blocks_start.resize(num_slots, 0);
-            self.computed_before.resize(num_slots, 0);
-            self.cached_before.resize(num_slots, 0);
-            self.num_spec.resize(num_slots, 0);
-            self.rank.resize(num_slots, 0);
+        if self.slots.len() < num_slots {
+            self.slots.resize(num_slots, SlotStep::default());
         }
     }
 
     /// Takes `slot` back out of this step (a victim preempted after it was scheduled).
     pub(super) fn unschedule(&mut self, slot: u32) {
-        let s = slot as usize;
-        if s < self.scheduled.len() {
-            self.scheduled[s] = 0;
-            self.kind[s] = None;
-            self.num_spec[s] = 0;
+        if let Some(e) = self.slots.get_mut(slot as usize) {
+            e.scheduled = 0;
+            e.kind = None;
+            e.num_spec = 0;
         }
     }
 }

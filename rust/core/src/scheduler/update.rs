@@ -102,12 +102,17 @@ impl Scheduler {
         let mut finished: Vec<(u32, u32, FinishReason)> = Vec::new();
         let mut to_cache = std::mem::take(&mut self.scratch.to_cache);
         to_cache.clear();
+        let mut tally = std::mem::take(&mut self.scratch.tally);
+        tally.start(self.stats.num_accepted_tokens_per_pos.len());
+        let block_size = self.config.block_size;
+        let mut cache_hashes = std::mem::take(&mut self.scratch.cache_hashes);
+        cache_hashes.clear();
         let mut start = 0usize;
         for (i, (e, &count)) in step.entries.iter().zip(counts).enumerate() {
             let ahead = i + crate::memory::prefetch::DISTANCE;
             if let (Some(next), Some(&n)) = (step.entries.get(ahead), counts.get(ahead)) {
                 self.store
-                    .prefetch_for_update(next.slot, n as usize, self.config.block_size);
+                    .prefetch_for_update(next.slot, n as usize, block_size);
             }
             let sampled = &tokens[start..start + count as usize];
             start += count as usize;
@@ -138,14 +143,7 @@ impl Scheduler {
                     r.num_output_placeholders =
                         r.num_output_placeholders.saturating_sub(rejected as usize);
                 }
-                self.stats.num_drafts += 1;
-                self.stats.num_draft_tokens += e.num_spec_tokens as u64;
-                self.stats.num_accepted_tokens += accepted as u64;
-                for pos in 0..accepted as usize {
-                    if let Some(c) = self.stats.num_accepted_tokens_per_pos.get_mut(pos) {
-                        *c += 1;
-                    }
-                }
+                tally.count(e.num_spec_tokens, accepted);
                 if let Some(c) = self
                     .stats
                     .num_drafts_by_count
@@ -194,10 +192,12 @@ impl Scheduler {
                     r.num_in_flight_tokens
                 };
                 let done = r.num_computed_tokens.saturating_sub(not_done);
-                if self
-                    .kv
-                    .prefetch_cache_blocks(&r.blocks, r.sequence(), r.num_tokens())
-                {
+                if self.kv.prefetch_cache_blocks_noting(
+                    &r.blocks,
+                    r.sequence(),
+                    r.num_tokens(),
+                    &mut cache_hashes,
+                ) {
                     to_cache.push((e.rank, e.slot, done));
                 }
             }
@@ -213,14 +213,13 @@ impl Scheduler {
                 finished.push((e.rank, e.slot, reason));
             }
         }
+        tally.add_to(&mut self.stats);
+        self.scratch.tally = tally;
         // Registered in scheduling order, as vLLM registers them (it walks the step's
         // requests in that order): the order of blocks under one hash, and of KV events.
         to_cache.sort_unstable_by_key(|&(rank, _, _)| rank);
-        for &(_, slot, _) in &to_cache {
-            let r = self.store.get(slot)?;
-            self.kv
-                .prefetch_cache_chains(&r.blocks, r.sequence(), r.num_tokens());
-        }
+        self.kv.prefetch_chains(&cache_hashes);
+        self.scratch.cache_hashes = cache_hashes;
         for &(_, slot, done) in &to_cache {
             let r = self.store.get_mut(slot)?;
             let seq = SequenceView {
