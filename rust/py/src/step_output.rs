@@ -48,37 +48,59 @@ impl State {
         }
         let finished = PyFrozenSet::new(py, &step.finished_req_ids)?;
         let preempted = PyFrozenSet::new(py, &step.preempted_req_ids)?;
-        let parts = LazyParts {
-            num_scheduled: step.num_scheduled_tokens.clone(),
-            kinds,
-            spec_tokens: step.spec_token_ids.clone(),
-            spec_counts: step.num_spec_tokens.clone(),
-            new_blocks: step.new_block_ids.clone(),
-            new_block_counts: step.num_new_blocks.clone(),
-            num_computed: step.num_computed_tokens.clone(),
-            slots: step
-                .slots
-                .iter()
-                .copied()
-                .zip(step.generations.iter().copied())
-                .collect(),
-            num_output_placeholders: step.num_output_placeholders.clone(),
-            scheduler_uid: step.scheduler_uid,
-        };
-        Ok(PySchedulerOutput::new(
-            step.step_id,
-            req_ids.unbind(),
-            step.total_num_scheduled_tokens,
+        let arrays = (
             read_only(PyArray1::from_slice(py, &step.num_scheduled_tokens)).unbind(),
             read_only(PyArray1::from_slice(py, &step.num_computed_tokens)).unbind(),
             read_only(PyArray1::from_slice(py, &step.query_start_loc)).unbind(),
             read_only(PyArray1::from_slice(py, &step.is_prefill_chunk)).unbind(),
+        );
+        let slots = step
+            .slots
+            .iter()
+            .copied()
+            .zip(step.generations.iter().copied())
+            .collect();
+        let (step_id, total, lookahead, uid) = (
+            step.step_id,
+            step.total_num_scheduled_tokens,
+            step.num_lookahead_tokens,
+            step.scheduler_uid,
+        );
+        // The step's columns move into the output (the next step fills new vectors of the
+        // same capacity): no copy of a step's tokens and blocks.
+        let step = &mut self.step;
+        let parts = LazyParts {
+            num_scheduled: take_keeping_capacity(&mut step.num_scheduled_tokens),
+            kinds,
+            spec_tokens: take_keeping_capacity(&mut step.spec_token_ids),
+            spec_counts: take_keeping_capacity(&mut step.num_spec_tokens),
+            new_blocks: take_keeping_capacity(&mut step.new_block_ids),
+            new_block_counts: take_keeping_capacity(&mut step.num_new_blocks),
+            num_computed: take_keeping_capacity(&mut step.num_computed_tokens),
+            slots,
+            num_output_placeholders: take_keeping_capacity(&mut step.num_output_placeholders),
+            scheduler_uid: uid,
+        };
+        Ok(PySchedulerOutput::new(
+            step_id,
+            req_ids.unbind(),
+            total,
+            arrays.0,
+            arrays.1,
+            arrays.2,
+            arrays.3,
             finished.unbind(),
             preempted.unbind(),
             PyTuple::new(py, new_reqs)?.unbind(),
-            step.num_lookahead_tokens,
+            lookahead,
             parts,
             table,
         ))
     }
+}
+
+/// `v`'s contents, leaving it empty with the same capacity.
+fn take_keeping_capacity<T>(v: &mut Vec<T>) -> Vec<T> {
+    let capacity = v.capacity();
+    std::mem::replace(v, Vec::with_capacity(capacity))
 }

@@ -297,7 +297,12 @@ impl PyVllmBridge {
         let py = step.py();
         let out = step.get();
         let lists = sampled_lists(py, out, runner_output)?;
-        let (mut tokens, mut counts) = (Vec::new(), Vec::with_capacity(lists.len()));
+        // At most one token per entry beyond its drafts: the vector never grows.
+        let capacity = lists.len() + out.parts.spec_tokens.len();
+        let (mut tokens, mut counts) = (
+            Vec::with_capacity(capacity),
+            Vec::with_capacity(lists.len()),
+        );
         for (i, list) in lists.iter().enumerate() {
             let n = match list {
                 Some(list) => extend_tokens(list, &mut tokens, i, "sampled_token_ids")?,
@@ -404,7 +409,12 @@ impl PyVllmBridge {
                 Some(step) => same_ids(&ids, step.get().req_ids.bind(py))?,
                 None => false,
             };
-            let (mut tokens, mut counts) = (Vec::new(), Vec::with_capacity(n));
+            // K drafts per request at most (more are refused): the vector rarely grows.
+            let k = self
+                .scheduler
+                .get()
+                .with_state(py, |st| Ok(st.inner.config().num_speculative_tokens))?;
+            let (mut tokens, mut counts) = (Vec::with_capacity(n * k), Vec::with_capacity(n));
             for (i, list) in lists.iter().enumerate() {
                 counts.push(extend_tokens(list, &mut tokens, i, "draft_token_ids")?);
             }
@@ -543,7 +553,7 @@ impl PyVllmBridge {
         };
         // The batch's ids: the tuple's items, borrowed (a tuple never changes, and the step
         // holds it).
-        let ids: Vec<Bound<'py, PyAny>> = req_ids.iter().collect();
+        let ids: Vec<Borrowed<'_, 'py, PyAny>> = req_ids.iter_borrowed().collect();
         let mut spec_start = 0usize;
         for (i, rid) in ids.iter().enumerate().take(n) {
             let num_spec = parts.spec_counts[i] as usize;
@@ -562,7 +572,7 @@ impl PyVllmBridge {
                 Some(list) => list,
                 None => PyList::new(py, drafts.iter().map(|&t| vllm_token(t)))?,
             };
-            spec.set_item(rid, value)?;
+            spec.set_item(*rid, value)?;
         }
         // Its values are lists of ints (the runner's own draft lists, or new ones): it holds
         // nothing that leads back to it.
@@ -582,7 +592,7 @@ impl PyVllmBridge {
         } else {
             let mut list = ListBuilder::new(py, m)?;
             for &i in &cached {
-                list.push(ids[i].clone());
+                list.push(ids[i].to_owned());
             }
             list.finish()
         };
@@ -620,11 +630,11 @@ impl PyVllmBridge {
             });
             let was_previous = bridge.last_scheduled[slot as usize] == (generation, previous);
             if parts.kinds[i] == 2 {
-                resumed.add(&ids[i])?;
+                resumed.add(ids[i])?;
             }
             if !self.v2 && !was_previous {
                 let tokens = untracked::list(py, &request.tokens)?;
-                all_token_ids.set_item(&ids[i], tokens)?;
+                all_token_ids.set_item(ids[i], tokens)?;
             }
         }
         let (new_block_ids, num_computed, num_output) = (
