@@ -283,6 +283,8 @@ def test_a_struct_type_the_bridge_cannot_fill_directly_is_called(
     import msgspec
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
     from vllm.v1.engine import EngineCoreOutput, FinishReason
+    from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
     from dflash_rs._core import _VllmBridge
 
@@ -307,6 +309,7 @@ def test_a_struct_type_the_bridge_cannot_fill_directly_is_called(
             CachedRequestData,
             cls,
             FinishReason,
+            stats=(SchedulerStats, PrefixCacheStats, SpecDecodingStats),
             v2=True,
             async_scheduling=False,
         )
@@ -352,3 +355,45 @@ def test_token_ids_outside_the_range_are_refused(
     outs = s.update_from_output(out, _sampled(out, lambda rid: [40]))
     assert len(outs[0].outputs) == 2
     s.core.check_invariants()
+
+
+def test_stats_are_built_directly_and_equal_vllms_own(make_scheduler: Any, offline: Any) -> None:
+    """``SchedulerStats`` and the stats in it are built by setting their fields
+    (``dataclass_build``): each equals, attribute by attribute, what the class's own
+    constructor makes from the same fields, and the defaults that are containers are new ones
+    each step, as the constructor's ``default_factory`` makes them."""
+    import dataclasses
+
+    from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    s = _decode_scheduler(make_scheduler, offline, n=2)
+    assert s._out.bridge.builds_stats_directly
+    held = []
+    for step in range(2):
+        s.update_draft_token_ids(DraftTokenIds(["r0", "r1"], [[50, 51, 52], [53, 54, 55]]))
+        out = s.schedule()
+        assert len(out.scheduled_spec_decode_tokens) == 2
+        outs = s.update_from_output(out, _sampled(out, lambda rid: [50, 41]))
+        stats = outs[0].scheduler_stats
+        spec, prefix = stats.spec_decoding_stats, stats.prefix_cache_stats
+        assert type(stats) is SchedulerStats and type(prefix) is PrefixCacheStats
+        assert type(spec) is SpecDecodingStats
+        given = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+        assert vars(spec) == vars(SpecDecodingStats(**given))
+        assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (2, 6, 2)
+        assert spec.num_accepted_tokens_per_pos == [2, 0, 0]
+        assert vars(prefix) == vars(PrefixCacheStats(**vars(prefix)))
+        expected = SchedulerStats(
+            num_running_reqs=2,
+            num_waiting_reqs=0,
+            num_skipped_waiting_reqs=0,
+            kv_cache_usage=stats.kv_cache_usage,
+            prefix_cache_stats=prefix,
+            spec_decoding_stats=spec,
+        )
+        assert vars(stats) == vars(expected)
+        held.append(stats)
+    for f in dataclasses.fields(SchedulerStats):
+        if f.default_factory is not dataclasses.MISSING and f.name != "prefix_cache_stats":
+            assert getattr(held[0], f.name) is not getattr(held[1], f.name), f.name

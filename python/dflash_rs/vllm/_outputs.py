@@ -31,7 +31,9 @@ class OutputBuilder:
     ) -> None:
         from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
         from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+        from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
         from vllm.v1.request import RequestStatus
+        from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
         self.book = book
         self.num_spec_tokens = num_spec_tokens
@@ -54,6 +56,7 @@ class OutputBuilder:
             CachedRequestData,
             EngineCoreOutput,
             FinishReason,
+            stats=(SchedulerStats, PrefixCacheStats, SpecDecodingStats),
             v2=use_v2_model_runner,
             async_scheduling=async_scheduling,
         )

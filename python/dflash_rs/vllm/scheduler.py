@@ -17,9 +17,8 @@ from typing import Any, Optional, Union
 
 from vllm.multimodal import MULTIMODAL_REGISTRY, MultiModalRegistry
 from vllm.v1.core.sched.interface import PauseState, SchedulerInterface
-from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.request import RequestStatus
-from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from dflash_rs._core import Scheduler as CoreScheduler
 from dflash_rs.errors import (
@@ -120,11 +119,8 @@ class DFlashRsScheduler(SchedulerInterface):
         #: Final outputs of requests refused at add_request or ended inside schedule().
         self._error_outputs: list[Any] = []
         self._finished_dict: Optional[dict[int, set[str]]] = {} if include_finished_set else None
-        self._prefix_snapshot: list[int] = [0] * 6
         #: A prefix-cache reset since the last stats (vLLM's ``PrefixCacheStats.reset``).
         self._prefix_reset = False
-        zeros = [0] * self.num_spec_tokens
-        self._spec_snapshot: tuple[int, int, int, list[int], list[int]] = (0, 0, 0, zeros, zeros)
 
     # ------------------------------------------------------------------ requests
 
@@ -380,61 +376,16 @@ class DFlashRsScheduler(SchedulerInterface):
         return self._make_stats(None, []) if self.log_stats else None
 
     def _make_stats(self, core_out: Any, invalid: list[tuple[int, int]]) -> SchedulerStats:
-        counters = self._out.bridge.stats_counters()
-        running, waiting, skipped, usage, prefix = counters[:5]
-        drafts, draft_tokens, accepted, per_pos, draft_pos = counters[5:]
-        # Counted at admission, as vLLM does: first admissions, and re-admissions after a
-        # preemption apart (a lookup that admitted nobody is not counted).
-        old = self._prefix_snapshot
-        self._prefix_snapshot = prefix
-        prefix_stats = PrefixCacheStats(
-            reset=self._prefix_reset,
-            requests=prefix[0] - old[0],
-            queries=prefix[1] - old[1],
-            hits=prefix[2] - old[2],
-            preempted_requests=prefix[3] - old[3],
-            preempted_queries=prefix[4] - old[4],
-            preempted_hits=prefix[5] - old[5],
+        """vLLM's ``SchedulerStats`` since the previous stats, built in Rust from the core's
+        counters (``_VllmBridge.scheduler_stats``); with ``core_out`` (the step just applied)
+        it carries the step's ``SpecDecodingStats``. ``invalid`` holds (scheduled, invalid)
+        draft counts of verified requests whose drafts were padded (left out, as vLLM does)."""
+        stats = self._out.bridge.scheduler_stats(
+            with_spec=core_out is not None and self.num_spec_tokens > 0,
+            invalid=invalid,
+            prefix_reset=self._prefix_reset,
         )
         self._prefix_reset = False
-        spec_stats = None
-        if core_out is not None and self.num_spec_tokens:
-            spec_stats = self._spec_stats(
-                (drafts, draft_tokens, accepted, per_pos, draft_pos), invalid
-            )
-        return SchedulerStats(
-            num_running_reqs=running,
-            # vLLM counts the requests it passed over apart (max_loras, stale output).
-            num_waiting_reqs=waiting - skipped,
-            num_skipped_waiting_reqs=skipped,
-            kv_cache_usage=usage,
-            prefix_cache_stats=prefix_stats,
-            spec_decoding_stats=spec_stats,
-        )
-
-    def _spec_stats(
-        self,
-        counters: tuple[int, int, int, list[int], list[int]],
-        invalid: list[tuple[int, int]],
-    ) -> Optional[SpecDecodingStats]:
-        """This step's SpecDecodingStats from the core's cumulative counters (drafts, draft
-        tokens, accepted tokens, accepted and drafted per position); ``invalid`` holds
-        (scheduled, invalid) draft counts of verified requests whose drafts were padded."""
-        drafts, tokens, accepted, per_pos, draft_pos = counters
-        old = self._spec_snapshot
-        self._spec_snapshot = counters
-        if drafts == old[0]:
-            return None
-        stats = SpecDecodingStats.new(self.num_spec_tokens)
-        stats.num_drafts = drafts - old[0]
-        stats.num_draft_tokens = tokens - old[1]
-        stats.num_accepted_tokens = accepted - old[2]
-        stats.num_accepted_tokens_per_pos = [a - b for a, b in zip(per_pos, old[3])]
-        stats.num_draft_tokens_per_pos = [a - b for a, b in zip(draft_pos, old[4])]
-        for scheduled, n in invalid:
-            stats.num_draft_tokens -= n
-            for i in range(scheduled - n, scheduled):
-                stats.num_draft_tokens_per_pos[i] -= 1
         return stats
 
     def shutdown(self) -> None:

@@ -3,6 +3,7 @@
 //!
 //! Modules, bottom-up (each uses only those above it):
 //! - `errors`: core errors mapped onto the exception classes of `dflash_rs.errors`.
+//! - `dataclass_build`: plain dataclass instances built by setting their fields.
 //! - `untracked`: lists, tuples and objects of atomic items kept out of the cyclic GC.
 //! - `struct_slots`: msgspec `Struct` instances built by filling their field slots.
 //! - `guarded`: the lock around a pyclass's mutable state (threads, re-entry, panics).
@@ -27,6 +28,7 @@
 
 mod compact_int;
 mod convert;
+mod dataclass_build;
 mod draft_dict;
 mod draft_install;
 mod errors;

@@ -11,12 +11,13 @@
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple, PyType};
 use pyo3::PyTraverseError;
 
 use dflash_core::PLACEHOLDER_TOKEN;
 
 use crate::convert::{push_exact_token_ids, token_ids};
+use crate::dataclass_build::DataclassBuilder;
 use crate::errors::{invalid, unless_fatal, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::outputs::PySchedulerOutput;
@@ -30,9 +31,73 @@ struct VllmTypes {
     scheduler_output: Py<PyAny>,
     cached_request_data: Py<PyAny>,
     engine_core_output: EngineCoreOutputType,
+    stats: StatsTypes,
     /// vLLM's `FinishReason` per core reason, in `FinishReason`'s order (stop, length, abort,
     /// error).
     finish_reasons: [Py<PyAny>; 4],
+}
+
+/// vLLM's per-step stats dataclasses (`SchedulerStats`, `PrefixCacheStats`,
+/// `SpecDecodingStats`) and the indices of the fields the bridge sets.
+struct StatsTypes {
+    scheduler: DataclassBuilder,
+    prefix: DataclassBuilder,
+    spec: DataclassBuilder,
+    /// `SchedulerStats`: running, waiting, skipped, usage, prefix stats, spec stats.
+    scheduler_fields: [usize; 6],
+    /// `PrefixCacheStats`: reset, then the six counters in `stats_counters`' order.
+    prefix_fields: [usize; 7],
+    /// `SpecDecodingStats`: K, drafts, draft tokens, accepted, accepted and drafted per
+    /// position.
+    spec_fields: [usize; 6],
+}
+
+impl StatsTypes {
+    fn new(classes: &Bound<'_, PyTuple>) -> PyResult<Self> {
+        let py = classes.py();
+        let (scheduler, prefix, spec): (Bound<'_, PyType>, Bound<'_, PyType>, Bound<'_, PyType>) =
+            classes.extract()?;
+        let zero = || 0_i64.into_pyobject(py).map(|z| z.into_any());
+        let prefix_names = [
+            "reset",
+            "requests",
+            "queries",
+            "hits",
+            "preempted_requests",
+            "preempted_queries",
+            "preempted_hits",
+        ];
+        let prefix = DataclassBuilder::new(&prefix, &[("requests", zero()?)])?;
+        let spec_names = [
+            "num_spec_tokens",
+            "num_drafts",
+            "num_draft_tokens",
+            "num_accepted_tokens",
+            "num_accepted_tokens_per_pos",
+            "num_draft_tokens_per_pos",
+        ];
+        let spec = DataclassBuilder::new(&spec, &[("num_spec_tokens", zero()?)])?;
+        let scheduler_names = [
+            "num_running_reqs",
+            "num_waiting_reqs",
+            "num_skipped_waiting_reqs",
+            "kv_cache_usage",
+            "prefix_cache_stats",
+            "spec_decoding_stats",
+        ];
+        let scheduler = DataclassBuilder::new(&scheduler, &[("num_running_reqs", zero()?)])?;
+        let fields = |b: &DataclassBuilder, names: &[&str]| -> PyResult<Vec<usize>> {
+            names.iter().map(|n| b.field(py, n)).collect()
+        };
+        Ok(Self {
+            scheduler_fields: fields(&scheduler, &scheduler_names)?.try_into().unwrap(),
+            prefix_fields: fields(&prefix, &prefix_names)?.try_into().unwrap(),
+            spec_fields: fields(&spec, &spec_names)?.try_into().unwrap(),
+            scheduler,
+            prefix,
+            spec,
+        })
+    }
 }
 
 /// vLLM's `EngineCoreOutput` (a msgspec struct) and the indices of the fields the bridge sets.
@@ -108,6 +173,21 @@ struct BridgeState {
     /// The latest `num_scheduled_tokens`, privately kept: a step with the same batch and
     /// counts (a steady decode) hands out a copy of it.
     num_scheduled: Option<NumScheduledTemplate>,
+    /// The cumulative counters at the latest stats: prefix-cache lookups (first admissions,
+    /// then re-admissions: requests, queries, hits each) and speculative decoding.
+    prefix_snapshot: [u64; 6],
+    spec_snapshot: SpecCounters,
+}
+
+/// Cumulative speculative-decoding counters: drafts, draft tokens, accepted tokens, accepted
+/// and drafted per position.
+#[derive(Default, Clone, PartialEq)]
+struct SpecCounters {
+    drafts: u64,
+    draft_tokens: u64,
+    accepted: u64,
+    accepted_per_pos: Vec<u64>,
+    drafted_per_pos: Vec<u64>,
 }
 
 /// Python ints `0..len` made once each and shared (ints are immutable): the computed- and
@@ -165,22 +245,6 @@ pub struct PyVllmBridge {
     state: Guarded<BridgeState>,
 }
 
-/// `(num_running, num_waiting, num_skipped_waiting, kv_cache_usage, prefix, num_drafts,
-/// num_draft_tokens, num_accepted_tokens, accepted_per_pos, draft_tokens_per_pos)`: see
-/// `stats_counters`.
-type StatsCounters = (
-    usize,
-    usize,
-    usize,
-    f64,
-    [u64; 6],
-    u64,
-    u64,
-    u64,
-    Vec<u64>,
-    Vec<u64>,
-);
-
 /// What `engine_outputs` returns: the outputs, the slow entries, the requests whose final
 /// output was built here `(request id, finish reason, stop reason)`, and the updated ids.
 type EngineOutputs<'py> = (
@@ -203,13 +267,14 @@ type SlowEntry = (
 #[pymethods]
 impl PyVllmBridge {
     #[new]
-    #[pyo3(signature = (scheduler, scheduler_output, cached_request_data, engine_core_output, finish_reason, *, v2, async_scheduling))]
+    #[pyo3(signature = (scheduler, scheduler_output, cached_request_data, engine_core_output, finish_reason, *, stats, v2, async_scheduling))]
     fn new(
         scheduler: Py<PyScheduler>,
         scheduler_output: Py<PyAny>,
         cached_request_data: Py<PyAny>,
         engine_core_output: &Bound<'_, PyAny>,
         finish_reason: &Bound<'_, PyAny>,
+        stats: &Bound<'_, PyTuple>,
         v2: bool,
         async_scheduling: bool,
     ) -> PyResult<Self> {
@@ -227,6 +292,7 @@ impl PyVllmBridge {
                 scheduler_output,
                 cached_request_data,
                 engine_core_output: EngineCoreOutputType::new(engine_core_output)?,
+                stats: StatsTypes::new(stats)?,
                 finish_reasons,
             },
             v2,
@@ -240,6 +306,13 @@ impl PyVllmBridge {
         visit.call(&self.types.scheduler_output)?;
         visit.call(&self.types.cached_request_data)?;
         visit.call(self.types.engine_core_output.builder.type_object())?;
+        for builder in [
+            &self.types.stats.scheduler,
+            &self.types.stats.prefix,
+            &self.types.stats.spec,
+        ] {
+            visit.call(builder.class())?;
+        }
         for r in &self.types.finish_reasons {
             visit.call(r)?;
         }
@@ -467,29 +540,113 @@ impl PyVllmBridge {
         })
     }
 
-    /// What vLLM's `SchedulerStats` reports, in one call: `(num_running, num_waiting,
-    /// kv_cache_usage, prefix, num_drafts, num_draft_tokens, num_accepted_tokens,
-    /// accepted_per_pos, draft_tokens_per_pos)`, where `prefix` holds the prefix-cache
-    /// requests, queries and hits counted at first admissions, then at re-admissions after a
-    /// preemption (cumulative counters, like the spec-decoding ones).
-    fn stats_counters(&self, py: Python<'_>) -> PyResult<StatsCounters> {
-        self.scheduler.get().with_state(py, |st| {
-            let inner = &st.inner;
-            let s = inner.stats();
-            let (a, r) = (&s.admitted_prefix, &s.resumed_prefix);
-            Ok((
-                inner.running().len(),
-                inner.num_waiting(),
-                inner.num_deferred_waiting(),
-                inner.kv().usage(),
-                [a.requests, a.queries, a.hits, r.requests, r.queries, r.hits],
-                s.num_drafts,
-                s.num_draft_tokens,
-                s.num_accepted_tokens,
-                s.num_accepted_tokens_per_pos.clone(),
-                s.num_draft_tokens_per_pos(),
-            ))
-        })
+    /// vLLM's `SchedulerStats` for the step just applied (`with_spec`: its
+    /// `SpecDecodingStats` too, None when no drafts were verified since the last stats), from
+    /// the core's cumulative counters less those at the previous stats. `invalid` holds
+    /// `(scheduled, invalid)` draft counts of verified requests whose drafts were padded with
+    /// placeholders (left out of the draft counts, as vLLM does); `prefix_reset` marks a
+    /// prefix-cache reset since the previous stats. Prefix-cache lookups are counted at first
+    /// admissions and re-admissions after a preemption apart.
+    #[pyo3(signature = (*, with_spec, invalid, prefix_reset))]
+    fn scheduler_stats<'py>(
+        &self,
+        py: Python<'py>,
+        with_spec: bool,
+        invalid: Vec<(usize, u64)>,
+        prefix_reset: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (running, waiting, skipped, usage, prefix, spec, k) =
+            self.scheduler.get().with_state(py, |st| {
+                let inner = &st.inner;
+                let s = inner.stats();
+                let (a, r) = (&s.admitted_prefix, &s.resumed_prefix);
+                Ok((
+                    inner.running().len(),
+                    inner.num_waiting(),
+                    inner.num_deferred_waiting(),
+                    inner.kv().usage(),
+                    [a.requests, a.queries, a.hits, r.requests, r.queries, r.hits],
+                    SpecCounters {
+                        drafts: s.num_drafts,
+                        draft_tokens: s.num_draft_tokens,
+                        accepted: s.num_accepted_tokens,
+                        accepted_per_pos: s.num_accepted_tokens_per_pos.clone(),
+                        drafted_per_pos: s.num_draft_tokens_per_pos(),
+                    },
+                    inner.config().num_speculative_tokens,
+                ))
+            })?;
+        let (prefix_delta, spec_delta) = self.state.with(py, |bridge| {
+            let old = std::mem::replace(&mut bridge.prefix_snapshot, prefix);
+            let prefix_delta: [i64; 6] = std::array::from_fn(|i| prefix[i] as i64 - old[i] as i64);
+            let spec_delta = if with_spec {
+                let old = std::mem::replace(&mut bridge.spec_snapshot, spec.clone());
+                spec_delta(&spec, &old, k, &invalid)
+            } else {
+                None
+            };
+            Ok((prefix_delta, spec_delta))
+        })?;
+        let t = &self.types.stats;
+        let reset = pyo3::types::PyBool::new(py, prefix_reset)
+            .to_owned()
+            .into_any();
+        let counts = prefix_delta
+            .iter()
+            .map(|&v| Ok(v.into_pyobject(py)?.into_any()))
+            .collect::<PyResult<Vec<_>>>()?;
+        let f = &t.prefix_fields;
+        let prefix_stats = t.prefix.build(
+            py,
+            &[
+                (f[0], &reset),
+                (f[1], &counts[0]),
+                (f[2], &counts[1]),
+                (f[3], &counts[2]),
+                (f[4], &counts[3]),
+                (f[5], &counts[4]),
+                (f[6], &counts[5]),
+            ],
+        )?;
+        let spec_stats = match spec_delta {
+            None => py.None().into_bound(py),
+            Some(d) => {
+                let f = &t.spec_fields;
+                let values = [
+                    (k as i64).into_pyobject(py)?.into_any(),
+                    d.drafts.into_pyobject(py)?.into_any(),
+                    d.draft_tokens.into_pyobject(py)?.into_any(),
+                    d.accepted.into_pyobject(py)?.into_any(),
+                    PyList::new(py, &d.accepted_per_pos)?.into_any(),
+                    PyList::new(py, &d.drafted_per_pos)?.into_any(),
+                ];
+                let given: Vec<(usize, &Bound<'py, PyAny>)> =
+                    f.iter().copied().zip(values.iter()).collect();
+                t.spec.build(py, &given)?
+            }
+        };
+        let f = &t.scheduler_fields;
+        let values = [
+            running.into_pyobject(py)?.into_any(),
+            (waiting as i64 - skipped as i64)
+                .into_pyobject(py)?
+                .into_any(),
+            skipped.into_pyobject(py)?.into_any(),
+            usage.into_pyobject(py)?.into_any(),
+            prefix_stats,
+            spec_stats,
+        ];
+        let given: Vec<(usize, &Bound<'py, PyAny>)> =
+            f.iter().copied().zip(values.iter()).collect();
+        t.scheduler.build(py, &given)
+    }
+
+    /// Whether the stats dataclasses are built by setting their fields (`dataclass_build`),
+    /// rather than by calling them.
+    #[getter]
+    fn builds_stats_directly(&self) -> bool {
+        let t = &self.types.stats;
+        t.scheduler.is_direct() && t.prefix.is_direct() && t.spec.is_direct()
     }
 
     /// Whether `EngineCoreOutput`s are built by filling their slots (`struct_slots`), rather
@@ -852,4 +1009,48 @@ fn extend_tokens(
     let parsed = token_ids(list, format_args!("{what}[{i}]"))?;
     tokens.extend_from_slice(&parsed);
     Ok(parsed.len() as u32)
+}
+
+/// One step's speculative-decoding stats: the counters since `old`, the draft counts less the
+/// placeholders that padded `invalid` requests' drafts (`(scheduled, invalid)`: the last
+/// `invalid` of `scheduled` positions), as vLLM counts them; None when no drafts were verified.
+fn spec_delta(
+    new: &SpecCounters,
+    old: &SpecCounters,
+    k: usize,
+    invalid: &[(usize, u64)],
+) -> Option<SpecDelta> {
+    if new.drafts == old.drafts {
+        return None;
+    }
+    let per_pos = |n: &[u64], o: &[u64]| -> Vec<i64> {
+        (0..k)
+            .map(|i| n.get(i).copied().unwrap_or(0) as i64 - o.get(i).copied().unwrap_or(0) as i64)
+            .collect()
+    };
+    let mut delta = SpecDelta {
+        drafts: new.drafts as i64 - old.drafts as i64,
+        draft_tokens: new.draft_tokens as i64 - old.draft_tokens as i64,
+        accepted: new.accepted as i64 - old.accepted as i64,
+        accepted_per_pos: per_pos(&new.accepted_per_pos, &old.accepted_per_pos),
+        drafted_per_pos: per_pos(&new.drafted_per_pos, &old.drafted_per_pos),
+    };
+    for &(scheduled, n) in invalid {
+        delta.draft_tokens -= n as i64;
+        for i in scheduled.saturating_sub(n as usize)..scheduled {
+            if let Some(c) = delta.drafted_per_pos.get_mut(i) {
+                *c -= 1;
+            }
+        }
+    }
+    Some(delta)
+}
+
+/// [`spec_delta`]'s result.
+struct SpecDelta {
+    drafts: i64,
+    draft_tokens: i64,
+    accepted: i64,
+    accepted_per_pos: Vec<i64>,
+    drafted_per_pos: Vec<i64>,
 }
