@@ -370,7 +370,7 @@ def test_stats_are_built_directly_and_equal_vllms_own(make_scheduler: Any, offli
     s = _decode_scheduler(make_scheduler, offline, n=2)
     assert s._out.bridge.builds_stats_directly
     held = []
-    for step in range(2):
+    for _ in range(2):
         s.update_draft_token_ids(DraftTokenIds(["r0", "r1"], [[50, 51, 52], [53, 54, 55]]))
         out = s.schedule()
         assert len(out.scheduled_spec_decode_tokens) == 2

@@ -267,6 +267,8 @@ type SlowEntry = (
 #[pymethods]
 impl PyVllmBridge {
     #[new]
+    // The vLLM classes, each resolved once by the adapter, and two flags.
+    #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (scheduler, scheduler_output, cached_request_data, engine_core_output, finish_reason, *, stats, v2, async_scheduling))]
     fn new(
         scheduler: Py<PyScheduler>,
