@@ -58,7 +58,7 @@ import sys
 import tempfile
 import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable, Optional
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,6 +67,11 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 import numpy as np
 
 PHASES = ("schedule", "update", "drafts", "total", "admit")
+
+#: Called with True just before each timed phase of a measured step starts and with False just
+#: after it ends, outside the clock reads (``benches/callgrind_dropin.py`` counts instructions
+#: inside the phases with it); None: nothing is called.
+PHASE_HOOK: Optional[Callable[[bool], None]] = None
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -237,26 +242,39 @@ def run_one(
             steps += 1
             if steps > 20000:
                 raise RuntimeError("no steady decode state reached")
+            hook = PHASE_HOOK if state == "measure" else None
             g0 = (clock.ns, clock.runs)
+            if hook:
+                hook(True)
             t0 = now()
             so = sched.schedule()
             sched.get_grammar_bitmask(so)
             t1 = now()
+            if hook:
+                hook(False)
             g1 = (clock.ns, clock.runs)
             mro, live, prefill = runner.output(so, a.runner_order == "shuffled")
             g2 = (clock.ns, clock.runs)
+            if hook:
+                hook(True)
             t2 = now()
             outs = sched.update_from_output(so, mro)
             t3 = now()
+            if hook:
+                hook(False)
             g3 = (clock.ns, clock.runs)
             td = 0
             g4 = g5 = (clock.ns, clock.runs)
             if live:
                 drafts = runner.drafts(live)
                 g4 = (clock.ns, clock.runs)
+                if hook:
+                    hook(True)
                 t4 = now()
                 sched.update_draft_token_ids(drafts)
                 td = now() - t4
+                if hook:
+                    hook(False)
                 g5 = (clock.ns, clock.runs)
             finished = runner.consume(outs)
             if finished and not serve:

@@ -88,3 +88,16 @@ def test_ab_builds_runs_the_dropin_bench_against_each_build(tmp_path: Path) -> N
     assert "| serve N=4 | 1:" in done.stdout
     results = json.loads((tmp_path / "ab.json").read_text())["results"]
     assert [r["serve/4"]["total_p50_us"][0] > 0 for r in results] == [True, True]
+
+
+def test_the_phase_hook_brackets_each_timed_phase_of_measured_steps(tmp_path: Path) -> None:
+    """``PHASE_HOOK`` (what ``callgrind_dropin.py`` counts instructions with) opens and closes
+    every timed phase of every measured step, in turn, and nothing else."""
+    dropin = _dropin()
+    calls: list[bool] = []
+    dropin.PHASE_HOOK = calls.append
+    argv = [*TINY, "--modes", "decode", "--sides", "dflash-rs", "--json", str(tmp_path / "d.json")]
+    assert dropin.main(argv) == 0
+    steps = json.loads((tmp_path / "d.json").read_text())["args"]["measure_steps"]
+    # Decode: every measured step schedules, applies an output and installs drafts.
+    assert calls == [True, False] * 3 * steps
