@@ -13,7 +13,9 @@
 use pyo3::ffi;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString, PyTuple, PyType};
+use pyo3::types::{PyString, PyTuple, PyType};
+
+use crate::named_fields::NamedFields;
 
 /// Where a field's value comes from when a build does not give it.
 enum FieldDefault {
@@ -26,7 +28,7 @@ enum FieldDefault {
 /// Builds instances of one dataclass.
 pub struct DataclassBuilder {
     cls: Py<PyType>,
-    names: Vec<Py<PyString>>,
+    fields: NamedFields,
     defaults: Vec<FieldDefault>,
     /// Whether builds set the fields directly (else they call the class).
     direct: bool,
@@ -72,7 +74,7 @@ impl DataclassBuilder {
             && !cls.hasattr(intern!(py, "__post_init__"))?;
         let mut builder = Self {
             cls: cls.clone().unbind(),
-            names,
+            fields: NamedFields::new(names),
             defaults,
             direct: false,
         };
@@ -91,12 +93,7 @@ impl DataclassBuilder {
 
     /// The index of the field `name`.
     pub fn field(&self, py: Python<'_>, name: &str) -> PyResult<usize> {
-        self.names
-            .iter()
-            .position(|n| n.bind(py) == name)
-            .ok_or_else(|| {
-                pyo3::exceptions::PyAttributeError::new_err(format!("no dataclass field {name:?}"))
-            })
+        self.fields.index(py, name)
     }
 
     /// Whether builds set the fields directly (else they call the class).
@@ -138,7 +135,7 @@ impl DataclassBuilder {
                 ffi::PyType_GenericNew(cls.as_type_ptr(), empty.as_ptr(), std::ptr::null_mut()),
             )?
         };
-        for (i, (name, default)) in self.names.iter().zip(&self.defaults).enumerate() {
+        for (i, (name, default)) in self.fields.names().iter().zip(&self.defaults).enumerate() {
             let value = match (given.iter().find(|(j, _)| *j == i), default) {
                 (Some((_, v)), _) => (*v).clone(),
                 (None, FieldDefault::Value(v)) => v.bind(py).clone(),
@@ -168,11 +165,7 @@ impl DataclassBuilder {
         py: Python<'py>,
         given: &[(usize, &Bound<'py, PyAny>)],
     ) -> PyResult<Bound<'py, PyAny>> {
-        let kwargs = PyDict::new(py);
-        for (i, v) in given {
-            kwargs.set_item(self.names[*i].bind(py), v)?;
-        }
-        self.cls.bind(py).call((), Some(&kwargs))
+        self.fields.call(self.cls.bind(py).as_any(), given)
     }
 }
 

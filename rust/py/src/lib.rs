@@ -5,6 +5,7 @@
 //! - `errors`: core errors mapped onto the exception classes of `dflash_rs.errors`.
 //! - `dataclass_build`: plain dataclass instances built by setting their fields.
 //! - `untracked`: lists, tuples and objects of atomic items kept out of the cyclic GC.
+//! - `named_fields`: a class's field names, and its constructor called with them.
 //! - `struct_slots`: msgspec `Struct` instances built by filling their field slots.
 //! - `guarded`: the lock around a pyclass's mutable state (threads, re-entry, panics).
 //! - `seq_items`: the items of exact lists and tuples as a slice.
@@ -39,6 +40,7 @@ mod hash_config;
 mod interned_ids;
 mod kv_cache_manager;
 mod lazy_table;
+mod named_fields;
 mod outputs;
 mod runner_output;
 mod scheduler;

@@ -19,11 +19,13 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
+use crate::named_fields::NamedFields;
+
 /// Builds instances of one msgspec `Struct` type.
 pub struct StructBuilder {
     ty: Py<PyAny>,
     /// Field names, in the type's order (`__struct_fields__`).
-    names: Vec<Py<PyString>>,
+    fields: NamedFields,
     /// Set when the direct path applies.
     slots: Option<Slots>,
 }
@@ -64,19 +66,14 @@ impl StructBuilder {
         let slots = read_slots(ty, &names)?;
         Ok(Self {
             ty: ty.clone().unbind(),
-            names,
+            fields: NamedFields::new(names),
             slots,
         })
     }
 
     /// The index of the field `name`.
     pub fn field(&self, py: Python<'_>, name: &str) -> PyResult<usize> {
-        self.names
-            .iter()
-            .position(|n| n.bind(py) == name)
-            .ok_or_else(|| {
-                pyo3::exceptions::PyAttributeError::new_err(format!("no struct field {name:?}"))
-            })
+        self.fields.index(py, name)
     }
 
     /// The struct type.
@@ -139,11 +136,7 @@ impl StructBuilder {
         py: Python<'py>,
         given: &[(usize, &Bound<'py, PyAny>)],
     ) -> PyResult<Bound<'py, PyAny>> {
-        let kwargs = PyDict::new(py);
-        for (i, v) in given {
-            kwargs.set_item(self.names[*i].bind(py), v)?;
-        }
-        self.ty.bind(py).call((), Some(&kwargs))
+        self.fields.call(self.ty.bind(py), given)
     }
 }
 
