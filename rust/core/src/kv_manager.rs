@@ -685,4 +685,66 @@ mod tests {
             }
         }
     }
+
+    /// `extend_slots` is `allocate_slots` without hits or admission gate, written apart for
+    /// the running phase: the same result, error and state after, on every combination of
+    /// held blocks, known tokens, hashes, computed and new tokens, lookahead and pool size.
+    #[test]
+    fn extend_slots_agrees_with_allocate_slots_without_hits() {
+        let bs: usize = 4;
+        let extra = ExtraKeys::default();
+        let tokens: Vec<u32> = (0..24).collect();
+        let hashes: Vec<BlockHash> = (0..6u8).map(|i| [i + 1; 32]).collect();
+        let outcome = |r: &CoreResult<Option<usize>>| match r {
+            Ok(v) => format!("{v:?}"),
+            Err(e) => format!("error: {e}"),
+        };
+        let mut cases = 0;
+        for pool in [3, 40] {
+            for held in 0..=4usize {
+                for num_tokens in [1usize, 5, 8, 13, 16, 20] {
+                    let full = num_tokens / bs;
+                    for num_hashes in [full, full.saturating_sub(1)] {
+                        let owned = held * bs;
+                        for computed in [0, owned.saturating_sub(1), owned, owned + 1] {
+                            for new in [0, 1, 3, 9] {
+                                for lookahead in [0, 4] {
+                                    let mut kv = KvCacheManager::new(pool, bs, 24, true).unwrap();
+                                    let mut req = RequestBlocks::default();
+                                    if kv.pool.get_new_blocks(held, &mut req.block_ids).is_err() {
+                                        continue;
+                                    }
+                                    let seq = SequenceView {
+                                        tokens: &tokens[..num_tokens],
+                                        block_hashes: &hashes[..num_hashes],
+                                        extra: &extra,
+                                    };
+                                    let (mut kv2, mut req2) = (kv.clone(), req.clone());
+                                    let args = AllocateArgs {
+                                        num_new_tokens: new,
+                                        num_computed_tokens: computed,
+                                        num_lookahead_tokens: lookahead,
+                                        ..Default::default()
+                                    };
+                                    let a = kv.allocate_slots(&mut req, seq, args);
+                                    let b =
+                                        kv2.extend_slots(&mut req2, seq, new, computed, lookahead);
+                                    let case = (pool, held, num_tokens, num_hashes, computed);
+                                    assert_eq!(
+                                        outcome(&a),
+                                        outcome(&b),
+                                        "{case:?} {new} {lookahead}"
+                                    );
+                                    assert_eq!(req, req2, "{case:?} {new} {lookahead}");
+                                    assert_eq!(format!("{kv:?}"), format!("{kv2:?}"));
+                                    cases += 1;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(cases > 3000, "{cases}");
+    }
 }
