@@ -14,16 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_rs import (
-    ArgumentTypeError,
-    InvalidArgumentError,
-    ModelRunnerOutput,
-    Request,
-    Scheduler,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from dflash_rs import ArgumentTypeError, InvalidArgumentError, ModelRunnerOutput, Request, Scheduler
 from dflash_rs._core import _fast_paths
+
+from .drivers import make_scheduler
 
 K = 3
 EDGES = [0, 1, 2, 255, 256, 2**15, 2**30 - 1, 2**30, 2**30 + 1, 2**31 - 1, 2**31, 2**32]
@@ -42,16 +36,7 @@ def test_the_in_place_reads_are_enabled_on_this_cpython() -> None:
 
 
 def _scheduler() -> Scheduler:
-    s = Scheduler(
-        SchedulerConfig(
-            num_blocks=64,
-            block_size=16,
-            max_model_len=256,
-            max_num_seqs=4,
-            max_num_batched_tokens=256,
-            speculative=SpeculativeConfig("dflash", K),
-        )
-    )
+    s = make_scheduler(64, method="dflash", k=K, max_num_seqs=4, max_num_batched_tokens=256)
     s.add_request(Request("r", [5] * 8, max_tokens=100))
     out = s.schedule()
     s.update_from_output(out, ModelRunnerOutput(out.req_ids, [[6]]))

@@ -17,7 +17,7 @@ use std::mem::size_of;
 use pyo3::ffi;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use crate::named_fields::NamedFields;
 
@@ -63,10 +63,11 @@ impl StructBuilder {
             .iter()
             .map(|n| n.cast_into::<PyString>().map(Bound::unbind))
             .collect::<Result<_, _>>()?;
-        let slots = read_slots(ty, &names)?;
+        let fields = NamedFields::new(names);
+        let slots = read_slots(ty, &fields)?;
         Ok(Self {
             ty: ty.clone().unbind(),
-            fields: NamedFields::new(names),
+            fields,
             slots,
         })
     }
@@ -162,8 +163,9 @@ impl Slots {
 
 /// The slots of `ty`'s fields and their defaults, when the direct path applies (see the module
 /// doc), else None.
-fn read_slots(ty: &Bound<'_, PyAny>, names: &[Py<PyString>]) -> PyResult<Option<Slots>> {
+fn read_slots(ty: &Bound<'_, PyAny>, fields: &NamedFields) -> PyResult<Option<Slots>> {
     let py = ty.py();
+    let names = fields.names();
     let Ok(ty_obj) = ty.cast::<pyo3::types::PyType>() else {
         return Ok(None);
     };
@@ -183,8 +185,10 @@ fn read_slots(ty: &Bound<'_, PyAny>, names: &[Py<PyString>]) -> PyResult<Option<
     };
 
     // Every field given a marker of its own: each marker's slot is its field's.
-    let markers: Vec<Bound<'_, PyList>> = names.iter().map(|_| PyList::empty(py)).collect();
-    let probe = call_with(ty, names.iter().zip(&markers))?;
+    let markers: Vec<Bound<'_, PyAny>> =
+        names.iter().map(|_| PyList::empty(py).into_any()).collect();
+    let given: Vec<(usize, &Bound<'_, PyAny>)> = markers.iter().enumerate().collect();
+    let probe = fields.call(ty, &given)?;
     let probed = slot_values(&probe, names.len());
     let mut slot_of = Vec::with_capacity(names.len());
     for marker in &markers {
@@ -197,7 +201,7 @@ fn read_slots(ty: &Bound<'_, PyAny>, names: &[Py<PyString>]) -> PyResult<Option<
 
     // The defaults: what the constructor stores in the fields it is not given.
     let required = names.len() - ty.getattr(intern!(py, "__struct_defaults__"))?.len()?;
-    let prototype = call_with(ty, names.iter().zip(&markers).take(required))?;
+    let prototype = fields.call(ty, &given[..required])?;
     let stored = slot_values(&prototype, names.len());
     let mut template: Vec<Option<Py<PyAny>>> = (0..names.len()).map(|_| None).collect();
     for (i, &k) in slot_of.iter().enumerate() {
@@ -239,21 +243,6 @@ fn allocator(ty: *mut ffi::PyTypeObject, basicsize: usize) -> Option<Alloc> {
             Alloc::Slot(std::mem::transmute::<*mut std::ffi::c_void, ffi::allocfunc>(alloc))
         })
     }
-}
-
-/// `ty(**{name: value})`.
-fn call_with<'py, 'a>(
-    ty: &Bound<'py, PyAny>,
-    fields: impl Iterator<Item = (&'a Py<PyString>, &'a Bound<'py, PyList>)>,
-) -> PyResult<Bound<'py, PyAny>>
-where
-    'py: 'a,
-{
-    let kwargs = PyDict::new(ty.py());
-    for (name, value) in fields {
-        kwargs.set_item(name.bind(ty.py()), value)?;
-    }
-    ty.call((), Some(&kwargs))
 }
 
 /// The pointers in the first `n` slots of `obj`.

@@ -181,7 +181,7 @@ struct BridgeState {
 
 /// Cumulative speculative-decoding counters: drafts, draft tokens, accepted tokens, accepted
 /// and drafted per position.
-#[derive(Default, Clone, PartialEq)]
+#[derive(Default, Clone)]
 struct SpecCounters {
     drafts: u64,
     draft_tokens: u64,
@@ -242,6 +242,8 @@ pub struct PyVllmBridge {
     /// Async scheduling: drafts are the core's placeholders, and `num_output_tokens` counts
     /// the outputs still in flight.
     async_scheduling: bool,
+    /// K, the scheduler's drafts per request (fixed by its config).
+    num_spec_tokens: usize,
     state: Guarded<BridgeState>,
 }
 
@@ -288,6 +290,9 @@ impl PyVllmBridge {
             reason("ABORT")?,
             reason("ERROR")?,
         ];
+        let num_spec_tokens = scheduler.get().with_state(finish_reason.py(), |st| {
+            Ok(st.inner.config().num_speculative_tokens)
+        })?;
         Ok(Self {
             scheduler,
             types: VllmTypes {
@@ -299,6 +304,7 @@ impl PyVllmBridge {
             },
             v2,
             async_scheduling,
+            num_spec_tokens,
             state: Guarded::new(BridgeState::default(), "vLLM bridge"),
         })
     }
@@ -485,11 +491,8 @@ impl PyVllmBridge {
                 None => false,
             };
             // K drafts per request at most (more are refused): the vector rarely grows.
-            let k = self
-                .scheduler
-                .get()
-                .with_state(py, |st| Ok(st.inner.config().num_speculative_tokens))?;
-            let (mut tokens, mut counts) = (Vec::with_capacity(n * k), Vec::with_capacity(n));
+            let capacity = n * self.num_spec_tokens;
+            let (mut tokens, mut counts) = (Vec::with_capacity(capacity), Vec::with_capacity(n));
             for (i, list) in lists.iter().enumerate() {
                 counts.push(extend_tokens(list, &mut tokens, i, "draft_token_ids")?);
             }
@@ -557,7 +560,8 @@ impl PyVllmBridge {
         invalid: Vec<(usize, u64)>,
         prefix_reset: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (running, waiting, skipped, usage, prefix, spec, k) =
+        let k = self.num_spec_tokens;
+        let (running, waiting, skipped, usage, prefix, spec) =
             self.scheduler.get().with_state(py, |st| {
                 let inner = &st.inner;
                 let s = inner.stats();
@@ -575,7 +579,6 @@ impl PyVllmBridge {
                         accepted_per_pos: s.num_accepted_tokens_per_pos.clone(),
                         drafted_per_pos: s.num_draft_tokens_per_pos(),
                     },
-                    inner.config().num_speculative_tokens,
                 ))
             })?;
         let (prefix_delta, spec_delta) = self.state.with(py, |bridge| {
@@ -593,23 +596,17 @@ impl PyVllmBridge {
         let reset = pyo3::types::PyBool::new(py, prefix_reset)
             .to_owned()
             .into_any();
-        let counts = prefix_delta
+        let mut prefix_values = vec![reset];
+        for v in prefix_delta {
+            prefix_values.push(v.into_pyobject(py)?.into_any());
+        }
+        let given: Vec<(usize, &Bound<'py, PyAny>)> = t
+            .prefix_fields
             .iter()
-            .map(|&v| Ok(v.into_pyobject(py)?.into_any()))
-            .collect::<PyResult<Vec<_>>>()?;
-        let f = &t.prefix_fields;
-        let prefix_stats = t.prefix.build(
-            py,
-            &[
-                (f[0], &reset),
-                (f[1], &counts[0]),
-                (f[2], &counts[1]),
-                (f[3], &counts[2]),
-                (f[4], &counts[3]),
-                (f[5], &counts[4]),
-                (f[6], &counts[5]),
-            ],
-        )?;
+            .copied()
+            .zip(prefix_values.iter())
+            .collect();
+        let prefix_stats = t.prefix.build(py, &given)?;
         let spec_stats = match spec_delta {
             None => py.None().into_bound(py),
             Some(d) => {
