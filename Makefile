@@ -37,7 +37,7 @@ demo: develop ## Short demo: admit requests, allocate with DFlash lookahead, pri
 	$(PY) -m dflash_rs demo
 
 .PHONY: test
-test: develop lint test-rust test-python wheel-check test-kernels-matrix fuzz-ci test-vllm test-engine ## Run the whole test suite (Rust, lints, Python, wheel, kernels' dependency range, fuzzing, vLLM parity, real engine)
+test: develop lint test-rust test-python wheel-check test-python-matrix test-kernels-matrix fuzz-ci test-vllm test-engine ## Run the whole test suite (Rust, lints, Python, wheel, CPython range, kernels' dependency range, fuzzing, vLLM parity, real engine)
 
 .PHONY: test-rust
 test-rust: ## cargo test of the core and bindings
@@ -81,6 +81,11 @@ wheel: $(WHEEL_STAMP) ## Build the abi3 release wheel into dist/
 .PHONY: wheel-check
 wheel-check: $(WHEEL_STAMP) ## Install the wheel in a clean venv and check it is complete
 	scripts/check_wheel.sh dist/dflash_rs-*-abi3-*.whl
+
+# The CPythons the abi3 wheel declares: requirements-python-<X.Y>.txt, one cached venv each.
+.PHONY: test-python-matrix
+test-python-matrix: $(WHEEL_STAMP) ## The core's tests on CPython 3.9 (oldest numpy), 3.12 and 3.13 with the release wheel (cached venvs)
+	scripts/python_matrix.sh --wheel $$(ls dist/dflash_rs-*-abi3-*.whl)
 
 # The kernels extra's tested range: requirements-kernels-<name>.txt, one cached venv each.
 .PHONY: test-kernels-matrix
