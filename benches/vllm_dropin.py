@@ -40,6 +40,12 @@ Object lifetimes (``--lifetimes``), the same on both sides:
   the previous step's ``SchedulerOutput``, and so on): a stricter accounting that charges both
   schedulers for work no engine does inside them.
 
+Caches (``--evict-kib``): by default the timed calls run back to back, so each finds the
+previous one's data in the CPU caches. In an engine the model's forward runs between them and
+evicts the core's per-core caches; ``--evict-kib 8192`` writes every line of an 8 MiB buffer,
+untimed, before each step's ``schedule()`` and before the runner builds its output (a forward
+ends with the runner's output, which is then warm), on both sides.
+
 Run (from the repository root; builds/uses .venv-vllm):
 
     scripts/vllm_env.sh python benches/vllm_dropin.py --n 256,1024 --reps 3 --markdown
@@ -102,6 +108,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="engine: the step's SchedulerOutput, runner output, EngineCoreOutputs and drafts "
         "are freed untimed after the step, as vLLM's EngineCore frees them; phases: the phase "
         "that replaces each object pays for freeing it",
+    )
+    p.add_argument(
+        "--evict-kib",
+        type=int,
+        default=0,
+        help="before each step's schedule and before the runner's output, untimed, sweep a "
+        "buffer of this many KiB (a write to every cache line), as the model's forward does to "
+        "the CPU caches in an engine; 0: none (the calls run back to back, caches warm)",
     )
     p.add_argument(
         "--gc-stats",
@@ -224,6 +238,14 @@ def run_one(
         return now() - t
 
     now = time.thread_time_ns
+    sweep = np.zeros(a.evict_kib * 1024 // 8, dtype=np.int64)
+
+    def evict() -> None:
+        """Stands for the model's forward (--evict-kib): the previous step's forward before
+        schedule(), this step's before the runner builds its output."""
+        if sweep.size:
+            sweep[::8] += 1  # one write per 64-byte line
+
     initial = set()
     for _ in range(n):
         admit()
@@ -243,6 +265,7 @@ def run_one(
             if steps > 20000:
                 raise RuntimeError("no steady decode state reached")
             hook = PHASE_HOOK if state == "measure" else None
+            evict()
             g0 = (clock.ns, clock.runs)
             if hook:
                 hook(True)
@@ -253,6 +276,7 @@ def run_one(
             if hook:
                 hook(False)
             g1 = (clock.ns, clock.runs)
+            evict()  # the forward runs, then the runner builds its output
             mro, live, prefill = runner.output(so, a.runner_order == "shuffled")
             g2 = (clock.ns, clock.runs)
             if hook:
@@ -404,7 +428,8 @@ def main(argv: list[str]) -> int:
             json.dump(doc, f, indent=1)
     if a.markdown:
         x = "\u00d7"
-        print(f"Object lifetimes: {a.lifetimes}; {a.reps} reps; CPU time.\n")
+        evicted = f"; {a.evict_kib} KiB swept before schedule and update" if a.evict_kib else ""
+        print(f"Object lifetimes: {a.lifetimes}{evicted}; {a.reps} reps; CPU time.\n")
         print(
             f"| mode | N | vLLM {vllm.__version__} `Scheduler` p50 (µs) | `DFlashRsScheduler` p50 "
             "(µs) | ratio | paired ratio (min-max) | vLLM schedule / update / drafts "

@@ -181,6 +181,8 @@ class Timers:
         self.step_total = 0.0
         self.sched: dict[str, float] = {m: 0.0 for m in SCHED_METHODS}
         self.calls: dict[str, int] = {m: 0 for m in SCHED_METHODS}
+        #: Every timed call in order: (method, seconds).
+        self.call_log: list[tuple[str, float]] = []
 
     def wrap_scheduler(self, sched: Any) -> list[str]:
         wrapped = []
@@ -203,8 +205,10 @@ class Timers:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.sched[name] += pc() - t0
+                dt = pc() - t0
+                self.sched[name] += dt
                 self.calls[name] += 1
+                self.call_log.append((name, dt))
                 self.depth = 0
 
         return timed
@@ -341,6 +345,13 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
                 "sched_share": sched_s / timers.step_total if timers.step_total else math.nan,
                 "sched_s_by_method": dict(timers.sched),
                 "sched_calls": dict(timers.calls),
+                # The costliest scheduler calls: (index among the run's calls, method, ms).
+                "sched_costliest_ms": [
+                    (i, name, 1e3 * dt)
+                    for i, (name, dt) in sorted(enumerate(timers.call_log), key=lambda c: -c[1][1])[
+                        :6
+                    ]
+                ],
                 "outputs_sha256": h.hexdigest(),
                 # contention diagnostics: CPU seconds of this process per wall second of
                 # generate (about the torch thread count when it had the cores to itself)

@@ -40,12 +40,13 @@ def _dropin() -> Any:
     return module
 
 
-@pytest.mark.parametrize("lifetimes", ["engine", "phases"])
+@pytest.mark.parametrize(("lifetimes", "evict_kib"), [("engine", 0), ("phases", 0), ("engine", 64)])
 def test_the_dropin_bench_times_both_sides_and_the_collector(
-    tmp_path: Path, lifetimes: str
+    tmp_path: Path, lifetimes: str, evict_kib: int
 ) -> None:
     out = tmp_path / "dropin.json"
     argv = [*TINY, "--modes", "decode", "--gc-stats", "--lifetimes", lifetimes]
+    argv += ["--evict-kib", str(evict_kib)]
     assert _dropin().main([*argv, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     runs = doc["runs"]
@@ -56,6 +57,7 @@ def test_the_dropin_bench_times_both_sides_and_the_collector(
     assert doc["summary"]["paired_ratio/decode/4"]["median"] > 0
     assert len(doc["versions"]["core_so_sha256"]) == 16
     assert doc["args"]["lifetimes"] == lifetimes
+    assert doc["args"]["evict_kib"] == evict_kib
 
 
 def test_ab_builds_runs_the_dropin_bench_against_each_build(tmp_path: Path) -> None:
