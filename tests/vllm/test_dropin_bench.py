@@ -40,24 +40,32 @@ def _dropin() -> Any:
     return module
 
 
-@pytest.mark.parametrize(("lifetimes", "evict_kib"), [("engine", 0), ("phases", 0), ("engine", 64)])
+@pytest.mark.parametrize(
+    ("mode", "lifetimes", "evict_kib", "finished"),
+    [
+        ("decode", "engine", 0, "freed"),
+        ("decode", "phases", 0, "freed"),
+        ("decode", "engine", 64, "freed"),
+        ("serve", "engine", 0, "kept"),
+    ],
+)
 def test_the_dropin_bench_times_both_sides_and_the_collector(
-    tmp_path: Path, lifetimes: str, evict_kib: int
+    tmp_path: Path, mode: str, lifetimes: str, evict_kib: int, finished: str
 ) -> None:
     out = tmp_path / "dropin.json"
-    argv = [*TINY, "--modes", "decode", "--gc-stats", "--lifetimes", lifetimes]
-    argv += ["--evict-kib", str(evict_kib)]
+    argv = [*TINY, "--modes", mode, "--gc-stats", "--lifetimes", lifetimes]
+    argv += ["--evict-kib", str(evict_kib), "--finished-requests", finished]
     assert _dropin().main([*argv, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     runs = doc["runs"]
     cells = {(r["side"], r["mode"]) for r in runs}
-    assert cells == {("vllm", "decode"), ("dflash-rs", "decode")}
+    assert cells == {("vllm", mode), ("dflash-rs", mode)}
     for r in runs:
         assert r["p50_us"]["total"] > 0 and r["gc_runs_per_step"] >= 0 and r["gc_mean_us"] >= 0
-    assert doc["summary"]["paired_ratio/decode/4"]["median"] > 0
+    assert doc["summary"][f"paired_ratio/{mode}/4"]["median"] > 0
     assert len(doc["versions"]["core_so_sha256"]) == 16
-    assert doc["args"]["lifetimes"] == lifetimes
-    assert doc["args"]["evict_kib"] == evict_kib
+    assert (doc["args"]["lifetimes"], doc["args"]["evict_kib"]) == (lifetimes, evict_kib)
+    assert doc["args"]["finished_requests"] == finished
 
 
 def test_ab_builds_runs_the_dropin_bench_against_each_build(tmp_path: Path) -> None:
