@@ -112,9 +112,10 @@ print("ok")
 
 
 def test_collection_while_another_thread_holds_the_scheduler_neither_blocks_nor_fails() -> None:
-    """__traverse__ runs while another thread is inside a call (holding the state with the
-    GIL released): it skips the state instead of waiting for it. In a child process with a
-    timeout, so that a deadlock fails the test instead of hanging the session."""
+    """Collections run while another thread steps the scheduler: __traverse__ never waits for
+    the state (a collection inside a call, on that call's thread, finds it held and skips it).
+    In a child process with a timeout, so that a deadlock fails the test instead of hanging the
+    session."""
     done = subprocess.run(
         [sys.executable, "-c", _COLLECT_WHILE_BUSY],
         capture_output=True,

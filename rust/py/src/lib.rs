@@ -1,5 +1,5 @@
 //! `dflash_rs._core`: thin PyO3 bindings over `dflash-core`. This crate only converts types,
-//! maps errors and releases the GIL; all logic lives in the core.
+//! maps errors and serialises threads; all logic lives in the core.
 //!
 //! Modules, bottom-up (each uses only those above it):
 //! - `errors`: core errors mapped onto the exception classes of `dflash_rs.errors`.

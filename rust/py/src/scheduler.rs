@@ -43,7 +43,7 @@ impl PyScheduler {
         let id = spec.request_id.clone();
         self.with_state(py, |st| {
             let inner = &mut st.inner;
-            let slot = py.detach(|| inner.add_request(spec)).py(py)?;
+            let slot = inner.add_request(spec).py(py)?;
             st.ids.intern(py, slot, &id);
             Ok(())
         })
@@ -59,8 +59,7 @@ impl PyScheduler {
         let Flag(throttle) = throttle_prefills;
         slf.get().with_state(py, |st| {
             let (inner, step) = (&mut st.inner, &mut st.step);
-            py.detach(|| inner.schedule_throttled(step, throttle))
-                .py(py)?;
+            inner.schedule_throttled(step, throttle).py(py)?;
             st.build_output(slf)
         })
     }

@@ -17,7 +17,8 @@ use crate::lazy_table::{LazyTable, LazyTables};
 /// Continuous-batching scheduler with DFlash-safe lookahead allocation.
 ///
 /// Safe to share between Python threads: calls are serialised by an internal lock (see
-/// [`Guarded`]), and the GIL is released around the O(batch) work.
+/// [`Guarded`]). A call keeps the GIL while it works: its work is shorter than the wait to take a
+/// released GIL back from a busy thread (up to the interpreter's switch interval, 5 ms).
 #[pyclass(module = "dflash_rs._core", name = "Scheduler", frozen, weakref)]
 pub struct PyScheduler {
     state: Guarded<State>,

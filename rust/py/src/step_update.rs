@@ -41,7 +41,8 @@ impl State {
         }
         let step_id = out.step_id;
         let (inner, update) = (&mut self.inner, &mut self.update);
-        py.detach(|| inner.update_from_output(step_id, tokens, counts, update))
+        inner
+            .update_from_output(step_id, tokens, counts, update)
             .py(py)
     }
 
