@@ -47,6 +47,7 @@ pub use error::{CoreError, CoreResult};
 pub use hashing::{BlockHash, BlockHasher, ExtraKeys, HashAlgo};
 pub use kv_manager::{cdiv, AllocateArgs, KvCacheManager, PrefixCacheStats};
 pub use lookahead::{LookaheadPolicy, SpecMethod};
+pub use memory::prefetch;
 pub use output::{EndedRequest, EntryKind, RequestUpdate, StepOutput, UpdateOutput};
 pub use pool::block_pool::{BlockPool, NULL_BLOCK};
 pub use pool::kv_events::KvEvent;

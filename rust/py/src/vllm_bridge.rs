@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple, PyType};
 use pyo3::PyTraverseError;
 
+use dflash_core::prefetch;
 use dflash_core::PLACEHOLDER_TOKEN;
 
 use crate::convert::{push_exact_token_ids, token_ids};
@@ -25,6 +26,10 @@ use crate::scheduler_state::{PyScheduler, State};
 use crate::seq_items::{with_exact_items, ListBuilder};
 use crate::struct_slots::StructBuilder;
 use crate::untracked;
+
+/// How many requests ahead the per-request loops prefetch the Python objects and records they
+/// read (the core's distance).
+const PREFETCH_DISTANCE: usize = prefetch::DISTANCE;
 
 /// The vLLM classes the bridge instantiates.
 struct VllmTypes {
@@ -205,6 +210,13 @@ impl IntCache {
         let len = (max_model_len + 1).min(Self::MAX);
         if self.ints.len() < len {
             self.ints.resize_with(len, || None);
+        }
+    }
+
+    /// Prefetches the cached int `v` (if any), which `get` will incref.
+    fn prefetch(&self, v: usize) {
+        if let Some(Some(obj)) = self.ints.get(v) {
+            prefetch::read(obj.as_ptr());
         }
     }
 
@@ -712,6 +724,12 @@ impl PyVllmBridge {
         let ids: Vec<Borrowed<'_, 'py, PyAny>> = req_ids.iter_borrowed().collect();
         let mut spec_start = 0usize;
         for (i, rid) in ids.iter().enumerate().take(n) {
+            // An engine's forward has evicted the ids and the draft lists this loop reads
+            // (their hash, their length): ask for those of a request a few ahead.
+            if let Some(ahead) = ids.get(i + PREFETCH_DISTANCE) {
+                prefetch::read(ahead.as_ptr());
+                bridge.prefetch_drafts(parts.slots[i + PREFETCH_DISTANCE].0);
+            }
             let num_spec = parts.spec_counts[i] as usize;
             if num_spec == 0 {
                 continue;
@@ -768,7 +786,12 @@ impl PyVllmBridge {
             ListBuilder::new(py, m)?,
         );
         let requests = st.inner.requests();
-        for &i in &cached {
+        for (c, &i) in cached.iter().enumerate() {
+            // The record and the cached counts of a request a few ahead (evicted by a forward).
+            if let Some(&ahead) = cached.get(c + PREFETCH_DISTANCE) {
+                requests.prefetch_record(parts.slots[ahead].0);
+                ints.prefetch(parts.num_computed[ahead] as usize);
+            }
             let (slot, generation) = parts.slots[i];
             let request = requests.get(slot).py(py)?;
             let mut outputs = request.num_output_tokens();
@@ -883,6 +906,13 @@ impl BridgeState {
             Ok(list) if taken => Some((generation, list.clone().unbind())),
             _ => None,
         };
+    }
+
+    /// Prefetches the runner's draft list kept for a slot (its length is read next step).
+    fn prefetch_drafts(&self, slot: u32) {
+        if let Some(Some((_, list))) = self.drafts.get(slot as usize) {
+            prefetch::read(list.as_ptr());
+        }
     }
 
     /// The runner's draft list of a slot, or a copy of its first `num_drafts` items: what

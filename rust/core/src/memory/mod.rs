@@ -2,4 +2,4 @@
 //! (software prefetch). No dependencies inside the crate.
 
 pub(crate) mod huge_pages;
-pub(crate) mod prefetch;
+pub mod prefetch;

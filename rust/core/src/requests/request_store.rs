@@ -134,6 +134,20 @@ impl RequestStore {
         s.request.as_mut()
     }
 
+    /// Prefetches the first two lines of the record of the request in `slot` (its state and
+    /// counters, its token and hash vectors): what reading its counts touches.
+    pub fn prefetch_record(&self, slot: u32) {
+        if let Some(r) = self
+            .slots
+            .get(slot as usize)
+            .and_then(|s| s.request.as_ref())
+        {
+            let first: *const Request = r;
+            crate::memory::prefetch::read(first);
+            crate::memory::prefetch::read(first.cast::<u8>().wrapping_add(64));
+        }
+    }
+
     /// Prefetches what applying `num_sampled` tokens reads and appends to for the request in
     /// `slot`: the tail of its tokens, and the tails of its block hashes and block ids only if
     /// those tokens may complete a block (hashed and registered then; a wrong guess costs a miss
