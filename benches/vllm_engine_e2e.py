@@ -22,6 +22,8 @@ shared, so this is elapsed, not CPU, time):
   sched share  time inside the scheduler's ``schedule`` + ``get_grammar_bitmask`` +
                ``update_from_output`` + ``update_draft_token_ids`` (+ ``_in_output``), outermost
                calls only, divided by total step time
+  costliest    the run's six costliest scheduler calls (JSON ``sched_costliest_ms``: index
+               among the run's calls, method, ms): a stall shows up here, not in a mean
 
 Both schedulers get the same wrappers (installed after the LLM is built, before warm-up).
 Reps alternate the schedulers (each rep a fresh process per scheduler and spec, the order
