@@ -35,6 +35,8 @@ if [[ -z $wheel || ! -f $wheel ]]; then
     exit 2
 fi
 
+source scripts/lib/wheel_venvs.sh
+
 pin() { grep -E "^$1==" requirements-dev.txt; }
 
 venv_for() {  # prints the venv of requirements-kernels-$1.txt, creating it if missing
@@ -42,47 +44,22 @@ venv_for() {  # prints the venv of requirements-kernels-$1.txt, creating it if m
     [[ -f $reqs ]] || { echo "no $reqs" >&2; return 2; }
     local pins
     mapfile -t pins < <(grep -Ev '^\s*(#|$)' "$reqs"; pin pytest; pin hypothesis)
-    local key
-    key=$(printf '%s\n' "${pins[@]}" | sha256sum | cut -c1-12)
-    local cache=${DFLASH_RS_CACHE:-$HOME/.cache/dflash-rs}/venv-kernels-$1-$key
-    if [[ ! -f $cache/.complete ]]; then
-        echo "creating $cache with ${pins[*]} (a few minutes, several GB)" >&2
-        rm -rf "$cache"
-        mkdir -p "$(dirname "$cache")"
-        python3 -m venv "$cache"
-        "$cache/bin/python" -m pip install -q "${pins[@]}" >&2
-        touch "$cache/.complete"
-    fi
-    echo "$cache"
+    cached_venv "kernels-$1" python3 "" "${pins[@]}"
 }
 
 # Venvs are set up one at a time (downloads), then the test runs go side by side (one core each).
-venvs=()
+pairs=()
 for name in "${names[@]}"; do
     venv=$(venv_for "$name")
-    stamp=$venv/.dflash-rs-wheel
-    digest=$(sha256sum "$wheel" | cut -c1-64)
-    if [[ ! -f $stamp || $(cat "$stamp") != "$digest" ]]; then
-        "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$wheel"
-        echo "$digest" >"$stamp"
-    fi
-    venvs+=("$venv")
+    install_wheel "$venv" "$wheel"
+    pairs+=("$name=$venv")
 done
 
-# The tests and the project's pytest settings, outside the repository (no dflash_rs on the path;
-# less --benchmark-disable: pytest-benchmark is not installed, no kernel test benchmarks).
 run=$(mktemp -d)
 trap 'rm -rf "$run"' EXIT
-mkdir -p "$run/tests"
-sed 's/ --benchmark-disable//' pyproject.toml >"$run/pyproject.toml"
-cp tests/conftest.py "$run/tests/"
-cp -r tests/support "$run/tests/" # helpers the tests import (from support.arithmetic import ...)
-for t in "${KERNEL_TESTS[@]}"; do
-    mkdir -p "$run/$(dirname "$t")"
-    cp -r "$t" "$run/$t"
-done
+copy_tests "$run" "${KERNEL_TESTS[@]}"
 
-run_one() {  # name venv: the kernel tests in that venv, output in $run/<name>.log
+run_one() {  # name venv: the kernel tests in that venv
     local versions
     versions=$("$2/bin/python" -c \
         'import numpy, torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}, numpy {numpy.__version__}")')
@@ -91,14 +68,4 @@ run_one() {  # name venv: the kernel tests in that venv, output in $run/<name>.l
         "${KERNEL_TESTS[@]}"
 }
 
-pids=()
-for i in "${!names[@]}"; do
-    run_one "${names[$i]}" "${venvs[$i]}" >"$run/${names[$i]}.log" 2>&1 &
-    pids+=($!)
-done
-status=0
-for i in "${!names[@]}"; do
-    wait "${pids[$i]}" || { status=1; echo "kernels ${names[$i]}: FAILED" >&2; }
-    cat "$run/${names[$i]}.log"
-done
-exit $status
+run_side_by_side kernels run_one "$run" "${pairs[@]}"

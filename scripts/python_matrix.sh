@@ -43,6 +43,7 @@ if [[ -z $wheel || ! -f $wheel ]]; then
     echo "no dflash-rs wheel found: run 'make wheel' or pass --wheel PATH" >&2
     exit 2
 fi
+source scripts/lib/wheel_venvs.sh
 
 find_python() {  # prints a CPython $1 interpreter, or fails
     local root candidates exe
@@ -64,47 +65,23 @@ find_python() {  # prints a CPython $1 interpreter, or fails
 venv_for() {  # prints the venv of requirements-python-$1.txt, creating it if missing
     local reqs=requirements-python-$1.txt
     [[ -f $reqs ]] || { echo "no $reqs" >&2; return 2; }
-    local python full pins key
+    local python full pins
     python=$(find_python "$1")
     full=$("$python" -c 'import platform; print(platform.python_version())')
     mapfile -t pins < <(grep -Ev '^\s*(#|$)' "$reqs")
-    key=$(printf '%s\n' "$full" "${pins[@]}" | sha256sum | cut -c1-12)
-    local cache=${DFLASH_RS_CACHE:-$HOME/.cache/dflash-rs}/venv-python-$1-$key
-    if [[ ! -f $cache/.complete ]]; then
-        echo "creating $cache (CPython $full) with ${pins[*]}" >&2
-        rm -rf "$cache"
-        mkdir -p "$(dirname "$cache")"
-        "$python" -m venv "$cache"
-        "$cache/bin/python" -m pip install -q "${pins[@]}" >&2
-        touch "$cache/.complete"
-    fi
-    echo "$cache"
+    cached_venv "python-$1" "$python" "$full" "${pins[@]}"
 }
 
-venvs=()
+pairs=()
 for v in "${versions[@]}"; do
     venv=$(venv_for "$v")
-    stamp=$venv/.dflash-rs-wheel
-    digest=$(sha256sum "$wheel" | cut -c1-64)
-    if [[ ! -f $stamp || $(cat "$stamp") != "$digest" ]]; then
-        "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$wheel"
-        echo "$digest" >"$stamp"
-    fi
-    venvs+=("$venv")
+    install_wheel "$venv" "$wheel"
+    pairs+=("$v=$venv")
 done
 
-# The tests and the project's pytest settings, outside the repository (no dflash_rs on the path;
-# less --benchmark-disable: pytest-benchmark is not installed).
 run=$(mktemp -d)
 trap 'rm -rf "$run"' EXIT
-mkdir -p "$run/tests"
-sed 's/ --benchmark-disable//' pyproject.toml >"$run/pyproject.toml"
-cp tests/conftest.py "$run/tests/"
-cp -r tests/support "$run/tests/"
-for t in "${CORE_TESTS[@]}"; do
-    mkdir -p "$run/$(dirname "$t")"
-    cp -r "$t" "$run/$t"
-done
+copy_tests "$run" "${CORE_TESTS[@]}"
 
 run_one() {  # version venv: the core tests in that venv
     local about
@@ -114,14 +91,4 @@ run_one() {  # version venv: the core tests in that venv
     cd "$run" && PYTHONPATH= "$2/bin/python" -m pytest -q "${CORE_TESTS[@]}"
 }
 
-pids=()
-for i in "${!versions[@]}"; do
-    run_one "${versions[$i]}" "${venvs[$i]}" >"$run/${versions[$i]}.log" 2>&1 &
-    pids+=($!)
-done
-status=0
-for i in "${!versions[@]}"; do
-    wait "${pids[$i]}" || { status=1; echo "python ${versions[$i]}: FAILED" >&2; }
-    tail -n 25 "$run/${versions[$i]}.log"
-done
-exit $status
+run_side_by_side python run_one "$run" "${pairs[@]}"
