@@ -45,23 +45,6 @@ if [[ -z $wheel || ! -f $wheel ]]; then
 fi
 source scripts/lib/wheel_venvs.sh
 
-find_python() {  # prints a CPython $1 interpreter, or fails
-    local root candidates exe
-    root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
-    # PATH first, then pyenv's builds, newest first. A pyenv shim answers for versions pyenv
-    # has but has not selected, with an error: each candidate is asked its version.
-    candidates=("$(command -v "python$1" 2>/dev/null || true)")
-    mapfile -t -O 1 candidates < <(ls -d "$root"/versions/"$1".*/bin/python"$1" 2>/dev/null | sort -rV)
-    for exe in "${candidates[@]}"; do
-        if [[ -n $exe ]] && "$exe" -c "import sys; assert '%d.%d' % sys.version_info[:2] == '$1'" 2>/dev/null; then
-            echo "$exe"
-            return 0
-        fi
-    done
-    echo "no CPython $1 here (PATH or pyenv); set DFLASH_RS_PYTHONS to the versions to test" >&2
-    return 2
-}
-
 venv_for() {  # prints the venv of requirements-python-$1.txt, creating it if missing
     local reqs=requirements-python-$1.txt
     [[ -f $reqs ]] || { echo "no $reqs" >&2; return 2; }

@@ -3,6 +3,7 @@
 # for the scheduler-level tests) and a dflash-rs wheel installed without dependencies.
 #
 #   VLLM_VERSION=0.33.0 scripts/vllm_env.sh [--wheel PATH] [test|python|setup] [ARGS...]
+#   VLLM_PYTHON=3.12 scripts/vllm_env.sh ...   (another CPython: its own venv)
 #
 #   test    (default) pytest ARGS (tests/vllm unless ARGS name a path)
 #   python  run the venv's python with ARGS (e.g. benches/vllm_dropin.py ...)
@@ -14,6 +15,8 @@
 #     ${DFLASH_RS_CACHE:-~/.cache/dflash-rs}/venv-vllm-<version>-<hash>, so fresh clones on the
 #     same machine (CI) reuse it; $VENV_VLLM links to it (default .venv-vllm for the newest
 #     series, which the benchmarks use, .venv-vllm-<major.minor> for older ones).
+#     $VLLM_PYTHON=X.Y picks CPython X.Y (on PATH or in pyenv) instead of python3: its full
+#     version joins the key, and "-py<X.Y>" the default link.
 # (b) Installs the wheel with --no-deps: --wheel PATH, else the newest
 #     dist/dflash_rs-*-abi3-*.whl or .wheelhouse/dflash_rs-*-abi3-*.whl (skipped when that
 #     very file is already installed).
@@ -29,6 +32,15 @@ cd "$(dirname "$0")/.."
 VLLM_VERSION=${VLLM_VERSION:-0.33.0}
 series=$(cut -d. -f1,2 <<<"$VLLM_VERSION")
 if [[ $series == 0.33 ]]; then default_venv=.venv-vllm; else default_venv=.venv-vllm-$series; fi
+interpreter=python3
+interpreter_key=()
+if [[ -n ${VLLM_PYTHON:-} ]]; then
+    source scripts/lib/wheel_venvs.sh
+    interpreter=$(find_python "$VLLM_PYTHON")
+    full=$("$interpreter" -c 'import platform; print(platform.python_version())')
+    interpreter_key=("python==$full")
+    default_venv=$default_venv-py$(cut -d. -f1,2 <<<"$full")
+fi
 VENV_VLLM=${VENV_VLLM:-$default_venv}
 PY="$VENV_VLLM/bin/python"
 
@@ -43,13 +55,13 @@ cmd=${1:-test}
 pin() { grep -E "^$1==" requirements-dev.txt; }
 
 pins=("vllm==$VLLM_VERSION" "$(pin pytest)" "$(pin hypothesis)" "$(pin pytest-benchmark)")
-key=$(printf '%s\n' "${pins[@]}" | sha256sum | cut -c1-12)
+key=$(printf '%s\n' "${pins[@]}" "${interpreter_key[@]}" | sha256sum | cut -c1-12)
 cache=${DFLASH_RS_CACHE:-$HOME/.cache/dflash-rs}/venv-vllm-$VLLM_VERSION-$key
 if [[ ! -f $cache/.complete ]]; then
     echo "creating $cache with vllm==$VLLM_VERSION (several minutes, ~9 GB)" >&2
     rm -rf "$cache"
     mkdir -p "$(dirname "$cache")"
-    python3 -m venv "$cache"
+    "$interpreter" -m venv "$cache"
     "$cache/bin/python" -m pip install -q "${pins[@]}"
     touch "$cache/.complete"
 fi

@@ -1,5 +1,24 @@
 # Helpers shared by the scripts that test the release wheel in cached venvs
-# (kernels_matrix.sh, python_matrix.sh). Source it from the repository root.
+# (kernels_matrix.sh, python_matrix.sh, vllm_env.sh). Source it from the repository root.
+
+# find_python X.Y: prints a CPython X.Y interpreter (python X.Y on PATH, else pyenv's newest
+# X.Y.* build), or fails.
+find_python() {
+    local root candidates exe
+    root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+    # PATH first, then pyenv's builds, newest first. A pyenv shim answers for versions pyenv
+    # has but has not selected, with an error: each candidate is asked its version.
+    candidates=("$(command -v "python$1" 2>/dev/null || true)")
+    mapfile -t -O 1 candidates < <(ls -d "$root"/versions/"$1".*/bin/python"$1" 2>/dev/null | sort -rV)
+    for exe in "${candidates[@]}"; do
+        if [[ -n $exe ]] && "$exe" -c "import sys; assert '%d.%d' % sys.version_info[:2] == '$1'" 2>/dev/null; then
+            echo "$exe"
+            return 0
+        fi
+    done
+    echo "no CPython $1 here (PATH or pyenv)" >&2
+    return 2
+}
 
 # cached_venv NAME PYTHON KEY PIN...: prints the venv ${DFLASH_RS_CACHE:-~/.cache/dflash-rs}/
 # venv-NAME-<hash of KEY and the pins>, created with PYTHON and the pins if missing (a half-built
