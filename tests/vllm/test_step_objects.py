@@ -230,6 +230,37 @@ def test_the_step_containers_of_ints_and_strs_are_left_out_of_the_cyclic_collect
     assert cached.req_ids[-1] == "r9"
 
 
+def test_scheduler_outputs_are_built_directly_and_equal_vllms_own(
+    make_scheduler: Any, offline: Any
+) -> None:
+    """``SchedulerOutput`` and its ``CachedRequestData`` are built from a template of their
+    fields (``dataclass_build``): vLLM's types, equal attribute by attribute to what their
+    constructors make from the same fields, and each step gets new containers where the
+    dataclass has a ``default_factory``."""
+    import dataclasses
+
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    s = _decode_scheduler(make_scheduler, offline, n=2)
+    assert s._out.bridge.builds_step_directly
+    held = []
+    for _ in range(2):
+        out = _step_with_drafts(s, {"r0": [50, 51, 52], "r1": [53, 54, 55]})
+        assert type(out) is SchedulerOutput
+        assert type(out.scheduled_cached_reqs) is CachedRequestData
+        for obj in (out, out.scheduled_cached_reqs):
+            given = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            assert vars(obj) == vars(type(obj)(**given))
+            assert list(vars(obj)) == list(given)  # field order, as the constructor sets them
+        assert out.scheduled_cached_reqs.req_ids == ["r0", "r1"]
+        assert out.scheduled_spec_decode_tokens == {"r0": [50, 51, 52], "r1": [53, 54, 55]}
+        assert out.num_spec_tokens_to_schedule == K
+        held.append(out)
+    for f in dataclasses.fields(SchedulerOutput):
+        if f.default_factory is not dataclasses.MISSING:
+            assert getattr(held[0], f.name) is not getattr(held[1], f.name), f.name
+
+
 def test_engine_core_outputs_are_built_directly_and_equal_vllms_own(
     make_scheduler: Any, offline: Any
 ) -> None:

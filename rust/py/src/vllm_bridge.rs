@@ -33,8 +33,8 @@ const PREFETCH_DISTANCE: usize = prefetch::DISTANCE;
 
 /// The vLLM classes the bridge instantiates.
 struct VllmTypes {
-    scheduler_output: Py<PyAny>,
-    cached_request_data: Py<PyAny>,
+    scheduler_output: StepOutputType,
+    cached_request_data: CachedRequestDataType,
     engine_core_output: EngineCoreOutputType,
     stats: StatsTypes,
     /// vLLM's `FinishReason` per core reason, in `FinishReason`'s order (stop, length, abort,
@@ -103,6 +103,118 @@ impl StatsTypes {
             spec,
         })
     }
+}
+
+/// vLLM's `SchedulerOutput` (a dataclass) and the indices of the fields the bridge sets, in
+/// `NAMES` order.
+struct StepOutputType {
+    builder: DataclassBuilder,
+    fields: [usize; 10],
+}
+
+impl StepOutputType {
+    const NAMES: [&'static str; 10] = [
+        "scheduled_new_reqs",
+        "scheduled_cached_reqs",
+        "num_scheduled_tokens",
+        "total_num_scheduled_tokens",
+        "scheduled_spec_decode_tokens",
+        "scheduled_encoder_inputs",
+        "finished_req_ids",
+        "free_encoder_mm_hashes",
+        "preempted_req_ids",
+        "num_spec_tokens_to_schedule",
+    ];
+
+    fn new(cls: &Bound<'_, PyType>, cached: &CachedRequestDataType) -> PyResult<Self> {
+        let py = cls.py();
+        let empty_cached =
+            cached.build(py, std::array::from_fn(|_| PyList::empty(py).into_any()))?;
+        let example: [Bound<'_, PyAny>; 10] = [
+            PyList::empty(py).into_any(),
+            empty_cached,
+            PyDict::new(py).into_any(),
+            0_i64.into_pyobject(py)?.into_any(),
+            PyDict::new(py).into_any(),
+            PyDict::new(py).into_any(),
+            PySet::empty(py)?.into_any(),
+            PyList::empty(py).into_any(),
+            PySet::empty(py)?.into_any(),
+            0_i64.into_pyobject(py)?.into_any(),
+        ];
+        let pairs: Vec<(&str, Bound<'_, PyAny>)> = Self::NAMES.into_iter().zip(example).collect();
+        let builder = DataclassBuilder::new(cls, &pairs)?;
+        let fields = field_indices(py, &builder, &Self::NAMES)?;
+        Ok(Self { builder, fields })
+    }
+
+    fn build<'py>(
+        &self,
+        py: Python<'py>,
+        values: [Bound<'py, PyAny>; 10],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let given: Vec<(usize, &Bound<'py, PyAny>)> =
+            self.fields.iter().copied().zip(values.iter()).collect();
+        self.builder.build(py, &given)
+    }
+}
+
+/// vLLM's `CachedRequestData` (a dataclass) and the indices of its fields, in `NAMES` order.
+struct CachedRequestDataType {
+    builder: DataclassBuilder,
+    fields: [usize; 7],
+}
+
+impl CachedRequestDataType {
+    const NAMES: [&'static str; 7] = [
+        "req_ids",
+        "resumed_req_ids",
+        "new_token_ids",
+        "all_token_ids",
+        "new_block_ids",
+        "num_computed_tokens",
+        "num_output_tokens",
+    ];
+
+    fn new(cls: &Bound<'_, PyType>) -> PyResult<Self> {
+        let py = cls.py();
+        let example: [Bound<'_, PyAny>; 7] = [
+            PyList::empty(py).into_any(),
+            PySet::empty(py)?.into_any(),
+            PyList::empty(py).into_any(),
+            PyDict::new(py).into_any(),
+            PyList::empty(py).into_any(),
+            PyList::empty(py).into_any(),
+            PyList::empty(py).into_any(),
+        ];
+        let pairs: Vec<(&str, Bound<'_, PyAny>)> = Self::NAMES.into_iter().zip(example).collect();
+        let builder = DataclassBuilder::new(cls, &pairs)?;
+        let fields = field_indices(py, &builder, &Self::NAMES)?;
+        Ok(Self { builder, fields })
+    }
+
+    fn build<'py>(
+        &self,
+        py: Python<'py>,
+        values: [Bound<'py, PyAny>; 7],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let given: Vec<(usize, &Bound<'py, PyAny>)> =
+            self.fields.iter().copied().zip(values.iter()).collect();
+        self.builder.build(py, &given)
+    }
+}
+
+/// The indices of the fields `names` of the dataclass `builder` builds.
+fn field_indices<const N: usize>(
+    py: Python<'_>,
+    builder: &DataclassBuilder,
+    names: &[&str; N],
+) -> PyResult<[usize; N]> {
+    let mut out = [0; N];
+    for (slot, name) in out.iter_mut().zip(names) {
+        *slot = builder.field(py, name)?;
+    }
+    Ok(out)
 }
 
 /// vLLM's `EngineCoreOutput` (a msgspec struct) and the indices of the fields the bridge sets.
@@ -286,8 +398,8 @@ impl PyVllmBridge {
     #[pyo3(signature = (scheduler, scheduler_output, cached_request_data, engine_core_output, finish_reason, *, stats, v2, async_scheduling))]
     fn new(
         scheduler: Py<PyScheduler>,
-        scheduler_output: Py<PyAny>,
-        cached_request_data: Py<PyAny>,
+        scheduler_output: &Bound<'_, PyType>,
+        cached_request_data: &Bound<'_, PyType>,
         engine_core_output: &Bound<'_, PyAny>,
         finish_reason: &Bound<'_, PyAny>,
         stats: &Bound<'_, PyTuple>,
@@ -302,14 +414,15 @@ impl PyVllmBridge {
             reason("ABORT")?,
             reason("ERROR")?,
         ];
+        let cached = CachedRequestDataType::new(cached_request_data)?;
         let num_spec_tokens = scheduler.get().with_state(finish_reason.py(), |st| {
             Ok(st.inner.config().num_speculative_tokens)
         })?;
         Ok(Self {
             scheduler,
             types: VllmTypes {
-                scheduler_output,
-                cached_request_data,
+                scheduler_output: StepOutputType::new(scheduler_output, &cached)?,
+                cached_request_data: cached,
                 engine_core_output: EngineCoreOutputType::new(engine_core_output)?,
                 stats: StatsTypes::new(stats)?,
                 finish_reasons,
@@ -323,8 +436,8 @@ impl PyVllmBridge {
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.scheduler)?;
-        visit.call(&self.types.scheduler_output)?;
-        visit.call(&self.types.cached_request_data)?;
+        visit.call(self.types.scheduler_output.builder.class())?;
+        visit.call(self.types.cached_request_data.builder.class())?;
         visit.call(self.types.engine_core_output.builder.type_object())?;
         for builder in [
             &self.types.stats.scheduler,
@@ -356,21 +469,21 @@ impl PyVllmBridge {
                 .get()
                 .with_state(py, |st| self.build_parts(py, bridge, st, step))
         })?;
-        let kwargs = PyDict::new(py);
-        kwargs.set_item(intern!(py, "scheduled_new_reqs"), new_reqs)?;
-        kwargs.set_item(intern!(py, "scheduled_cached_reqs"), parts.cached)?;
-        kwargs.set_item(intern!(py, "num_scheduled_tokens"), parts.num_scheduled)?;
-        kwargs.set_item(
-            intern!(py, "total_num_scheduled_tokens"),
-            out.total_num_scheduled_tokens,
-        )?;
-        kwargs.set_item(intern!(py, "scheduled_spec_decode_tokens"), parts.spec)?;
-        kwargs.set_item(intern!(py, "scheduled_encoder_inputs"), PyDict::new(py))?;
-        kwargs.set_item(intern!(py, "finished_req_ids"), &out.finished_req_ids)?;
-        kwargs.set_item(intern!(py, "free_encoder_mm_hashes"), PyList::empty(py))?;
-        kwargs.set_item(intern!(py, "preempted_req_ids"), &out.preempted_req_ids)?;
-        kwargs.set_item(intern!(py, "num_spec_tokens_to_schedule"), num_spec_tokens)?;
-        self.types.scheduler_output.bind(py).call((), Some(&kwargs))
+        self.types.scheduler_output.build(
+            py,
+            [
+                new_reqs.clone().into_any(),
+                parts.cached,
+                parts.num_scheduled.into_any(),
+                out.total_num_scheduled_tokens.into_pyobject(py)?.into_any(),
+                parts.spec.into_any(),
+                PyDict::new(py).into_any(),
+                out.finished_req_ids.bind(py).clone().into_any(),
+                PyList::empty(py).into_any(),
+                out.preempted_req_ids.bind(py).clone().into_any(),
+                num_spec_tokens.into_pyobject(py)?.into_any(),
+            ],
+        )
     }
 
     /// Applies `runner_output` (vLLM's `ModelRunnerOutput`) to the core step `step` and returns
@@ -660,6 +773,14 @@ impl PyVllmBridge {
         t.scheduler.is_direct() && t.prefix.is_direct() && t.spec.is_direct()
     }
 
+    /// Whether `SchedulerOutput` and its `CachedRequestData` are built from a template of their
+    /// fields (`dataclass_build`), rather than by calling the classes.
+    #[getter]
+    fn builds_step_directly(&self) -> bool {
+        self.types.scheduler_output.builder.is_direct()
+            && self.types.cached_request_data.builder.is_direct()
+    }
+
     /// Whether `EngineCoreOutput`s are built by filling their slots (`struct_slots`), rather
     /// than by calling the class (a layout the bridge does not know).
     #[getter]
@@ -825,19 +946,18 @@ impl PyVllmBridge {
             bridge.last_scheduled[slot as usize] = (generation, this_step);
         }
         bridge.last_step = Some(step.clone().unbind());
-        let kwargs = PyDict::new(py);
-        kwargs.set_item(intern!(py, "req_ids"), cached_ids)?;
-        kwargs.set_item(intern!(py, "resumed_req_ids"), resumed)?;
-        kwargs.set_item(intern!(py, "new_token_ids"), PyList::empty(py))?;
-        kwargs.set_item(intern!(py, "all_token_ids"), all_token_ids)?;
-        kwargs.set_item(intern!(py, "new_block_ids"), new_block_ids)?;
-        kwargs.set_item(intern!(py, "num_computed_tokens"), num_computed)?;
-        kwargs.set_item(intern!(py, "num_output_tokens"), num_output)?;
-        let cached = self
-            .types
-            .cached_request_data
-            .bind(py)
-            .call((), Some(&kwargs))?;
+        let cached = self.types.cached_request_data.build(
+            py,
+            [
+                cached_ids.into_any(),
+                resumed.into_any(),
+                PyList::empty(py).into_any(),
+                all_token_ids.into_any(),
+                new_block_ids.into_any(),
+                num_computed.into_any(),
+                num_output.into_any(),
+            ],
+        )?;
         Ok(StepParts {
             cached,
             num_scheduled,
