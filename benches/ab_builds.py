@@ -8,7 +8,10 @@ after the first, the median of its paired ratios to the first build (same round)
 bootstrap interval. Pass the same build twice for an A/A check of the noise.
 
 Each build runs from its own copy of the package (the `_core` given, everything else from
-`python/dflash_rs`), so rebuilding the editable extension mid-run changes nothing.
+`python/dflash_rs`), so rebuilding the editable extension mid-run changes nothing. A build
+given as `CORE.so@DIR` takes its Python from the package directory DIR instead (a checkout of
+another commit: `git worktree add /tmp/before HEAD~1`, then `.../before.so@/tmp/before/python/
+dflash_rs`), for changes that touch both sides.
 
 With `--modes micro` the admission cost (Request() + add_request(), per prompt length) is
 reported as the total of an `admit` row.
@@ -52,12 +55,19 @@ FIXED = ["--reps", "1", "--clock", "cpu", "--preempt-n", "0"]
 DROPIN_PHASES = ("schedule", None, "update", "drafts", "total")
 
 
-def snapshot(so: str, root: str, index: int) -> str:
-    """A copy of the package with `so` as its extension; returns the directory to put on
+def split_build(build: str) -> tuple[str, str]:
+    """`CORE.so[@PACKAGE_DIR]` -> (the extension, the package its Python comes from)."""
+    so, _, package = build.partition("@")
+    return so, package or PACKAGE
+
+
+def snapshot(build: str, root: str, index: int) -> str:
+    """A copy of the build's package with its extension; returns the directory to put on
     PYTHONPATH."""
+    so, package = split_build(build)
     dst = os.path.join(root, f"build{index}")
     shutil.copytree(
-        PACKAGE,
+        package,
         os.path.join(dst, "dflash_rs"),
         ignore=shutil.ignore_patterns("__pycache__", "_core*.so"),
     )
@@ -127,7 +137,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("builds", nargs="+", help="_core.abi3.so files (2 or more)")
+    parser.add_argument(
+        "builds", nargs="+", help="_core.abi3.so files (2 or more), each optionally @PACKAGE_DIR"
+    )
     parser.add_argument("--rounds", type=int, default=20, help="runs of every build")
     parser.add_argument(
         "--path",
@@ -151,12 +163,12 @@ def main() -> int:
     bench_args = [a for a in bench_args if a != "--"]
     if len(args.builds) < 2:
         parser.error("give at least two builds (the same one twice for an A/A check)")
-    labels = [f"{i}:{os.path.basename(b)}" for i, b in enumerate(args.builds)]
+    labels = [f"{i}:{os.path.basename(split_build(b)[0])}" for i, b in enumerate(args.builds)]
     # results[build][(mode, n)][phase] -> list over rounds
     results: list[dict] = [{} for _ in args.builds]
     with tempfile.TemporaryDirectory(prefix="ab_builds_") as root:
         paths = [snapshot(so, root, i) for i, so in enumerate(args.builds)]
-        cores = [sha16(so) for so in args.builds]
+        cores = [sha16(split_build(b)[0]) for b in args.builds]
         out = os.path.join(root, "run.json")
         for r in range(args.rounds):
             order = [(r + k) % len(paths) for k in range(len(paths))]

@@ -214,8 +214,8 @@ class _VllmBridge:
     def __new__(
         cls,
         scheduler: Scheduler,
-        scheduler_output: Any,
-        cached_request_data: Any,
+        scheduler_output: type,
+        cached_request_data: type,
         engine_core_output: Any,
         finish_reason: Any,
         *,
@@ -223,6 +223,9 @@ class _VllmBridge:
         v2: bool,
         async_scheduling: bool,
     ) -> _VllmBridge: ...
+    def schedule(
+        self, throttle_prefills: bool, num_spec_tokens: int
+    ) -> tuple[SchedulerOutput, Optional[Any]]: ...
     def scheduler_output(
         self, step: SchedulerOutput, new_reqs: list[Any], num_spec_tokens: int
     ) -> Any: ...
@@ -249,6 +252,8 @@ class _VllmBridge:
     def builds_outputs_directly(self) -> bool: ...
     @property
     def builds_stats_directly(self) -> bool: ...
+    @property
+    def builds_step_directly(self) -> bool: ...
 
 @final
 class Scheduler:

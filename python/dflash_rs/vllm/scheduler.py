@@ -209,14 +209,32 @@ class DFlashRsScheduler(SchedulerInterface):
         # steps; the core also applies the local cadence (core_config.local_prefill_interval).
         # The core follows the pause state: PAUSED_NEW admits nobody, PAUSED_ALL schedules
         # nothing (the step still reports finished and preempted ids).
-        now = time.monotonic()
         structured = self._structured
+        out = None
         if structured.held:
             structured.release_ready()
-        core_out = self._core.schedule(throttle_prefills)
-        if structured.held:
+            core_out = self._core.schedule(throttle_prefills)
             structured.note_passed_over()
+        elif self._out.preempted_between_steps:
+            core_out = self._core.schedule(throttle_prefills)
+        else:
+            # One call: the step and, when nobody is admitted, preempted or reported finished
+            # (a steady decode), its SchedulerOutput, which needs no bookkeeping here.
+            core_out, out = self._out.bridge.schedule(throttle_prefills, self.num_spec_tokens)
         self._num_finished_unreported = 0  # the step reports every id finished so far
+        if out is None:
+            out = self._scheduler_output(core_out)
+        elif self._kv_events is not None:
+            self._kv_events.collect()
+        if structured.live:
+            structured.mark_step(out, core_out, self.async_scheduling)
+        self._in_flight.append((out, core_out))
+        return out
+
+    def _scheduler_output(self, core_out: Any) -> Any:
+        """vLLM's ``SchedulerOutput`` for a step that admits, preempts or reports finished
+        requests: their bookkeeping first."""
+        now = time.monotonic()
         for rid in core_out.finished_req_ids:
             request = self._book.finished(rid, RequestStatus.FINISHED_ERROR)
             if request is not None:
@@ -229,16 +247,15 @@ class DFlashRsScheduler(SchedulerInterface):
                 self._error_outputs.append((request.client_index, output))
         if self._kv_events is not None:
             self._kv_events.collect()
-        out = self._out.scheduler_output(core_out, now)
-        if structured.live:
-            structured.mark_step(out, core_out, self.async_scheduling)
-        self._in_flight.append((out, core_out))
-        return out
+        return self._out.scheduler_output(core_out, now)
 
     def get_grammar_bitmask(self, scheduler_output: Any) -> Any:
         """vLLM's ``GrammarOutput`` for the structured requests that sample in the step (their
         bitmask rows from vLLM's ``StructuredOutputManager``), or None."""
-        return self._structured.grammar_bitmask(scheduler_output)
+        structured = self._structured
+        if not structured.rows:
+            return None  # no step in flight has structured requests
+        return structured.grammar_bitmask(scheduler_output)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
         core_out = self._oldest_in_flight(scheduler_output)

@@ -55,13 +55,8 @@ impl PyScheduler {
     /// backed up). `config.local_prefill_interval` holds them back the same way.
     #[pyo3(signature = (throttle_prefills=Flag(false)), text_signature = "(self, throttle_prefills=False)")]
     fn schedule(slf: &Bound<'_, Self>, throttle_prefills: Flag) -> PyResult<PySchedulerOutput> {
-        let py = slf.py();
         let Flag(throttle) = throttle_prefills;
-        slf.get().with_state(py, |st| {
-            let (inner, step) = (&mut st.inner, &mut st.step);
-            inner.schedule_throttled(step, throttle).py(py)?;
-            st.build_output(slf)
-        })
+        Self::schedule_step(slf, throttle)
     }
 
     /// vLLM's `prefill_capacity_bound`: the last step that did not hold prefills back left

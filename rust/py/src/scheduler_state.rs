@@ -13,6 +13,7 @@ use crate::errors::{to_py, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::interned_ids::InternedIds;
 use crate::lazy_table::{LazyTable, LazyTables};
+use crate::outputs::PySchedulerOutput;
 
 /// Continuous-batching scheduler with DFlash-safe lookahead allocation.
 ///
@@ -93,6 +94,18 @@ impl PyScheduler {
     /// The core configuration's `max_model_len`.
     pub(crate) fn max_model_len(&self) -> usize {
         self.max_model_len
+    }
+
+    /// Plans one step (`schedule`): `throttle` holds prefills back.
+    pub(crate) fn schedule_step(
+        slf: &Bound<'_, Self>,
+        throttle: bool,
+    ) -> PyResult<PySchedulerOutput> {
+        slf.get().with_state(slf.py(), |st| {
+            let (inner, step) = (&mut st.inner, &mut st.step);
+            inner.schedule_throttled(step, throttle).py(slf.py())?;
+            st.build_output(slf)
+        })
     }
 
     /// Runs `f` on the scheduler's state, holding it.

@@ -454,6 +454,30 @@ impl PyVllmBridge {
             .unwrap_or(Ok(()))
     }
 
+    /// Plans the core's next step (`Scheduler.schedule`) and, when it admits, resumes,
+    /// preempts and reports as finished nobody (a steady decode), builds vLLM's
+    /// `SchedulerOutput` for it too: `(step, output)`, with None for the output when the step
+    /// needs the adapter's bookkeeping first (it then calls `scheduler_output`).
+    #[pyo3(signature = (throttle_prefills, num_spec_tokens))]
+    fn schedule<'py>(
+        &self,
+        py: Python<'py>,
+        throttle_prefills: bool,
+        num_spec_tokens: usize,
+    ) -> PyResult<(Bound<'py, PySchedulerOutput>, Option<Bound<'py, PyAny>>)> {
+        let step = PyScheduler::schedule_step(self.scheduler.bind(py), throttle_prefills)?;
+        let step = Bound::new(py, step)?;
+        let out = step.get();
+        let quiet = out.scheduled_new_reqs.bind(py).is_empty()
+            && out.preempted_req_ids.bind(py).is_empty()
+            && out.finished_req_ids.bind(py).is_empty();
+        if !quiet {
+            return Ok((step, None));
+        }
+        let output = self.scheduler_output(&step, &PyList::empty(py), num_spec_tokens)?;
+        Ok((step, Some(output)))
+    }
+
     /// vLLM's `SchedulerOutput` for the core step `step`; `new_reqs` are its
     /// `NewRequestData`, built by the adapter.
     fn scheduler_output<'py>(
