@@ -97,13 +97,20 @@ fuzz-ci: ## Replay the fuzz corpus and regressions, then fuzz the core for 30 s 
 	cd rust/fuzz && cargo test --release --quiet
 	scripts/fuzz.sh 30
 
-# The vLLM release series the drop-in supports (dflash_rs.vllm.SUPPORTED_VLLM), one venv each.
+# The vLLM release series the drop-in supports (dflash_rs.vllm.SUPPORTED_VLLM), one venv each,
+# on the default python3; the newest series also on each CPython of VLLM_PYTHONS (the bridge
+# reads and builds CPython objects whose layout changed in 3.12).
 VLLM_VERSIONS := 0.32.0 0.33.0
+VLLM_PYTHONS := 3.12
 
 .PHONY: test-vllm
-test-vllm: $(WHEEL_STAMP) ## vLLM drop-in parity tests against vLLM 0.32 and 0.33 (cached venvs, ~9 GB each)
+test-vllm: $(WHEEL_STAMP) ## vLLM drop-in parity tests against vLLM 0.32 and 0.33, and 0.33 on CPython 3.12 (cached venvs, ~9 GB each)
 	for v in $(VLLM_VERSIONS); do \
 		DFLASH_RS_NO_OVERLAY=1 VLLM_VERSION=$$v scripts/vllm_env.sh \
+			--wheel $$(ls dist/dflash_rs-*-abi3-*.whl) test -q || exit 1; \
+	done
+	for p in $(VLLM_PYTHONS); do \
+		DFLASH_RS_NO_OVERLAY=1 VLLM_PYTHON=$$p scripts/vllm_env.sh \
 			--wheel $$(ls dist/dflash_rs-*-abi3-*.whl) test -q || exit 1; \
 	done
 
