@@ -55,7 +55,7 @@ impl InternedIds {
         self.ids
             .get(slot as usize)
             .and_then(|x| x.as_ref())
-            .map(|s| s.clone_ref(py))
+            .map(|s| crate::refcount::new_ref(s.bind(py)).unbind())
             .ok_or_else(|| {
                 to_py(
                     py,

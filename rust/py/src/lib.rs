@@ -4,6 +4,7 @@
 //! Modules, bottom-up (each uses only those above it):
 //! - `errors`: core errors mapped onto the exception classes of `dflash_rs.errors`.
 //! - `dataclass_build`: plain dataclass instances built by setting their fields.
+//! - `refcount`: reference counts changed in place, for the bridge's per-request loops.
 //! - `untracked`: lists, tuples and objects of atomic items kept out of the cyclic GC.
 //! - `named_fields`: a class's field names, and its constructor called with them.
 //! - `struct_slots`: msgspec `Struct` instances built by filling their field slots.
@@ -42,6 +43,7 @@ mod kv_cache_manager;
 mod lazy_table;
 mod named_fields;
 mod outputs;
+mod refcount;
 mod runner_output;
 mod scheduler;
 mod scheduler_args;

@@ -20,6 +20,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use crate::named_fields::NamedFields;
+use crate::refcount;
 
 /// Builds instances of one msgspec `Struct` type.
 pub struct StructBuilder {
@@ -87,19 +88,23 @@ impl StructBuilder {
         self.slots.is_some()
     }
 
-    /// A new instance with the `given` fields (`(field index, value)`, each field at most once)
-    /// and every other field at its default.
-    pub fn build<'py>(
+    /// A new instance with the `given` fields (`(field index, value)`, each field at most once,
+    /// their references moved into it) and every other field at its default.
+    pub fn build<'py, const N: usize>(
         &self,
         py: Python<'py>,
-        given: &[(usize, &Bound<'py, PyAny>)],
+        given: [(usize, Bound<'py, PyAny>); N],
     ) -> PyResult<Bound<'py, PyAny>> {
-        let Some(slots) = &self.slots else {
-            return self.call(py, given);
+        let Some(slots) = self
+            .slots
+            .as_ref()
+            .filter(|slots| (0..slots.required).all(|i| given.iter().any(|(j, _)| *j == i)))
+        else {
+            // Another layout, or a required field missing (the type raises its TypeError).
+            let borrowed: Vec<(usize, &Bound<'py, PyAny>)> =
+                given.iter().map(|(i, v)| (*i, v)).collect();
+            return self.call(py, &borrowed);
         };
-        if !(0..slots.required).all(|i| given.iter().any(|&(j, _)| j == i)) {
-            return self.call(py, given); // the type raises its own TypeError
-        }
         let obj = slots.alloc(self.ty.as_ptr().cast());
         if obj.is_null() {
             return Err(PyErr::fetch(py));
@@ -114,18 +119,18 @@ impl StructBuilder {
                 slots.template.len(),
             )
         };
-        // Each slot takes over a new reference, which the type's dealloc releases as it does
-        // for every instance.
+        // Each slot holds a reference of its own, which the type's dealloc releases as it does
+        // for every instance: a new one to its default, or the given value's, moved in.
         for (field, default) in fields.iter_mut().zip(&slots.template) {
             let default = default.as_ref().map_or(std::ptr::null_mut(), Py::as_ptr);
             // SAFETY: `default` is NULL or alive (held by the template).
-            unsafe { ffi::Py_XINCREF(default) };
+            unsafe { refcount::xincref(default) };
             *field = default;
         }
-        for &(i, value) in given {
-            let old = std::mem::replace(&mut fields[slots.slot_of[i]], value.clone().into_ptr());
+        for (i, value) in given {
+            let old = std::mem::replace(&mut fields[slots.slot_of[i]], value.into_ptr());
             // SAFETY: a replaced default stays alive, held by the template.
-            unsafe { ffi::Py_XDECREF(old) };
+            unsafe { refcount::xdecref(old) };
         }
         // SAFETY: `obj` is a new reference to an instance whose every field slot is set.
         Ok(unsafe { Bound::from_owned_ptr(py, obj) })

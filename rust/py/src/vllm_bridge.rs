@@ -22,6 +22,7 @@ use crate::dataclass_build::DataclassBuilder;
 use crate::errors::{invalid, unless_fatal, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::outputs::PySchedulerOutput;
+use crate::refcount;
 use crate::scheduler_state::{PyScheduler, State};
 use crate::seq_items::{with_exact_items, ListBuilder};
 use crate::struct_slots::StructBuilder;
@@ -239,29 +240,29 @@ impl EngineCoreOutputType {
         })
     }
 
-    /// An output that carries new tokens only.
+    /// An output that carries new tokens only (the references are moved into it).
     fn tokens<'py>(
         &self,
-        rid: &Bound<'py, PyAny>,
-        tokens: &Bound<'py, PyAny>,
+        rid: Bound<'py, PyAny>,
+        tokens: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         self.builder.build(
             rid.py(),
-            &[(self.request_id, rid), (self.new_token_ids, tokens)],
+            [(self.request_id, rid), (self.new_token_ids, tokens)],
         )
     }
 
     /// A final output: new tokens, the finish reason and the stop reason.
     fn finished<'py>(
         &self,
-        rid: &Bound<'py, PyAny>,
-        tokens: &Bound<'py, PyAny>,
-        reason: &Bound<'py, PyAny>,
-        stop: &Bound<'py, PyAny>,
+        rid: Bound<'py, PyAny>,
+        tokens: Bound<'py, PyAny>,
+        reason: Bound<'py, PyAny>,
+        stop: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         self.builder.build(
             rid.py(),
-            &[
+            [
                 (self.request_id, rid),
                 (self.new_token_ids, tokens),
                 (self.finish_reason, reason),
@@ -338,7 +339,7 @@ impl IntCache {
             return Ok(v.into_pyobject(py)?.into_any());
         };
         if let Some(obj) = slot {
-            return Ok(obj.bind(py).clone());
+            return Ok(refcount::new_ref(obj.bind(py)));
         }
         let obj = v.into_pyobject(py)?.into_any();
         *slot = Some(obj.clone().unbind());
@@ -572,7 +573,7 @@ impl PyVllmBridge {
                 // scheduler does), else a new list.
                 let new_tokens = match sampled.as_ref().and_then(|s| s.cast_exact::<PyList>().ok())
                 {
-                    Some(list) if list.len() == new.len() => list.clone(),
+                    Some(list) if list.len() == new.len() => refcount::new_ref(list),
                     _ => PyList::new(py, new)?,
                 };
                 cursor += 1;
@@ -583,16 +584,19 @@ impl PyVllmBridge {
                 let slow_one = all_slow || (check_slow && slow.contains(&rid)?);
                 let fast = !slow_one;
                 if fast && u.finish_reason.is_none() {
-                    outputs.push(engine_core_output.tokens(rid.bind(py), new_tokens.as_any())?);
+                    outputs.push(
+                        engine_core_output
+                            .tokens(rid.into_bound(py).into_any(), new_tokens.into_any())?,
+                    );
                 } else if let (true, Some(reason)) = (fast, u.finish_reason) {
                     // A final output that carries nothing else (no events, stats, logprobs).
                     let stop = u.stop_token;
                     let vllm_reason = self.types.finish_reasons[reason as usize].bind(py);
                     outputs.push(engine_core_output.finished(
-                        rid.bind(py),
-                        new_tokens.as_any(),
-                        vllm_reason,
-                        &stop.into_pyobject(py)?,
+                        rid.bind(py).clone().into_any(),
+                        new_tokens.into_any(),
+                        vllm_reason.clone(),
+                        stop.into_pyobject(py)?.into_any(),
                     )?);
                     finished.push((rid, reason.name(), stop));
                 } else {
