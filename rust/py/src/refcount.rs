@@ -8,6 +8,9 @@
 //! bring it near zero. A decrement that would reach zero calls `Py_DecRef`, which deallocates.
 //! Only the per-request loops of the vLLM bridge use these: elsewhere pyo3's calls are fine.
 
+use std::mem::ManuallyDrop;
+use std::ops::Deref;
+
 use pyo3::ffi;
 use pyo3::prelude::*;
 
@@ -71,5 +74,56 @@ pub fn new_ref<'py, T>(obj: &Bound<'py, T>) -> Bound<'py, T> {
     unsafe {
         incref(obj.as_ptr());
         Bound::from_owned_ptr(obj.py(), obj.as_ptr()).cast_into_unchecked::<T>()
+    }
+}
+
+/// None, as a new reference counted in place.
+#[inline(always)]
+pub fn none(py: Python<'_>) -> Bound<'_, PyAny> {
+    // SAFETY: None is always alive, and the caller is attached (it holds `py`).
+    unsafe {
+        let none = ffi::Py_None();
+        incref(none);
+        Bound::from_owned_ptr(py, none)
+    }
+}
+
+/// An owned reference whose drop is counted in place (for the per-request temporaries of a
+/// step: one per request, dropped together).
+pub struct Owned<'py>(ManuallyDrop<Bound<'py, PyAny>>);
+
+impl<'py> Owned<'py> {
+    /// A new reference to the object `item` points to (an item of a sequence the caller holds).
+    ///
+    /// # Safety
+    /// `item` is a live object for as long as this call, and `py` is attached.
+    #[inline(always)]
+    pub unsafe fn from_borrowed(py: Python<'py>, item: *mut ffi::PyObject) -> Self {
+        incref(item);
+        Self(ManuallyDrop::new(Bound::from_owned_ptr(py, item)))
+    }
+
+    /// Takes over `obj`'s reference.
+    #[inline(always)]
+    pub fn new(obj: Bound<'py, PyAny>) -> Self {
+        Self(ManuallyDrop::new(obj))
+    }
+}
+
+impl<'py> Deref for Owned<'py> {
+    type Target = Bound<'py, PyAny>;
+
+    #[inline(always)]
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl Drop for Owned<'_> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        // SAFETY: the reference is this handle's own, dropped once, while attached (the
+        // `Bound` it wraps proves it).
+        unsafe { decref(self.0.as_ptr()) }
     }
 }

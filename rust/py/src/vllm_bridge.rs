@@ -22,7 +22,7 @@ use crate::dataclass_build::DataclassBuilder;
 use crate::errors::{invalid, unless_fatal, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::outputs::PySchedulerOutput;
-use crate::refcount;
+use crate::refcount::{self, Owned};
 use crate::scheduler_state::{PyScheduler, State};
 use crate::seq_items::{with_exact_items, ListBuilder};
 use crate::struct_slots::StructBuilder;
@@ -607,7 +607,7 @@ impl PyVllmBridge {
                         u.finish_reason.map(|r| r.name()),
                         u.finish_reason.and(u.stop_token),
                     ));
-                    outputs.push(py.None().into_bound(py));
+                    outputs.push(refcount::none(py));
                 }
             }
             let outputs = outputs.finish();
@@ -895,7 +895,9 @@ impl PyVllmBridge {
                 Some(list) => list,
                 None => PyList::new(py, drafts.iter().map(|&t| vllm_token(t)))?,
             };
-            spec.set_item(*rid, value)?;
+            spec.set_item(*rid, &value)?;
+            // SAFETY: `value`'s own reference (the dict took one of its own), released once.
+            unsafe { refcount::decref(value.into_ptr()) };
         }
         // Its values are lists of ints (the runner's own draft lists, or new ones): it holds
         // nothing that leads back to it.
@@ -952,7 +954,7 @@ impl PyVllmBridge {
             let start = block_starts[i] as usize;
             let blocks = &parts.new_blocks[start..start + parts.new_block_counts[i] as usize];
             new_block_ids.push(if blocks.is_empty() && parts.kinds[i] == 0 {
-                py.None().into_bound(py)
+                refcount::none(py)
             } else {
                 untracked::tuple1(untracked::list(py, blocks)?)?.into_any()
             });
@@ -1050,10 +1052,14 @@ impl BridgeState {
             .requests()
             .get(slot)
             .is_ok_and(|r| r.spec_token_ids.as_slice() == tokens);
-        self.drafts[s] = match list.cast_exact::<PyList>() {
-            Ok(list) if taken => Some((generation, list.clone().unbind())),
+        let kept = match list.cast_exact::<PyList>() {
+            Ok(list) if taken => Some((generation, refcount::new_ref(list).unbind())),
             _ => None,
         };
+        if let Some((_, old)) = std::mem::replace(&mut self.drafts[s], kept) {
+            // SAFETY: the slot's reference, released once; the caller is attached.
+            unsafe { refcount::decref(old.into_ptr()) };
+        }
     }
 
     /// Prefetches the runner's draft list kept for a slot (its length is read next step).
@@ -1083,7 +1089,7 @@ impl BridgeState {
             return Ok(None);
         }
         if len == num_drafts {
-            Ok(Some(list.clone()))
+            Ok(Some(refcount::new_ref(list)))
         } else {
             Ok(Some(list.get_slice(0, num_drafts).cast_into::<PyList>()?))
         }
@@ -1131,12 +1137,12 @@ fn sampled_lists<'py>(
     py: Python<'py>,
     out: &PySchedulerOutput,
     runner_output: &Bound<'py, PyAny>,
-) -> PyResult<Vec<Option<Bound<'py, PyAny>>>> {
+) -> PyResult<Vec<Option<Owned<'py>>>> {
     let expected = out.req_ids.bind(py);
     let n = expected.len();
     let sampled = runner_output.getattr(intern!(py, "sampled_token_ids"))?;
     if sampled.is_none() || sampled.len()? == 0 {
-        return Ok(vec![None; n]);
+        return Ok((0..n).map(|_| None).collect());
     }
     let runner_ids = runner_output.getattr(intern!(py, "req_ids"))?;
     if same_ids(&runner_ids, expected)? {
@@ -1149,10 +1155,22 @@ fn sampled_lists<'py>(
                 ),
             ));
         }
-        if let Ok(list) = sampled.cast::<PyList>() {
-            return (0..n).map(|i| list.get_item(i).map(Some)).collect();
+        // SAFETY: `sampled` is alive (held here) and its items while it is not changed: the
+        // new references are taken before anything else runs.
+        let items = unsafe {
+            with_exact_items(py, sampled.as_ptr(), |items| {
+                items
+                    .iter()
+                    .map(|&item| Some(Owned::from_borrowed(py, item)))
+                    .collect::<Vec<_>>()
+            })
+        };
+        if let Some(items) = items {
+            return Ok(items);
         }
-        return (0..n).map(|i| sampled.get_item(i).map(Some)).collect();
+        return (0..n)
+            .map(|i| sampled.get_item(i).map(|v| Some(Owned::new(v))))
+            .collect();
     }
     let index = runner_output.getattr(intern!(py, "req_id_to_index"))?;
     expected
@@ -1166,7 +1184,7 @@ fn sampled_lists<'py>(
                     )
                 })
             })?;
-            sampled.get_item(i).map(Some)
+            sampled.get_item(i).map(|v| Some(Owned::new(v)))
         })
         .collect()
 }
