@@ -258,7 +258,13 @@ class DFlashRsScheduler(SchedulerInterface):
         return structured.grammar_bitmask(scheduler_output)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
-        core_out = self._oldest_in_flight(scheduler_output)
+        in_flight = self._in_flight
+        if not in_flight or in_flight[0][0] is not scheduler_output:
+            raise SchedulerStateError(
+                "update_from_output got a SchedulerOutput that is not the oldest one "
+                "schedule() returned and that awaits its output"
+            )
+        core_out = in_flight[0][1]  # leaves the queue once its output is applied
         invalid = getattr(scheduler_output, "num_invalid_spec_tokens", None)
         updated: Optional[list[str]] = None
         if core_out is not None and len(core_out):
@@ -269,7 +275,7 @@ class DFlashRsScheduler(SchedulerInterface):
             self._num_finished_unreported += self._out.num_finished
         else:
             by_client = {}
-        self._in_flight.popleft()
+        in_flight.popleft()
         structured = self._structured
         if structured.rows:
             structured.step_done(scheduler_output)
@@ -282,7 +288,9 @@ class DFlashRsScheduler(SchedulerInterface):
                 by_client.setdefault(client, []).append(eco)
             self._error_outputs = []
         EngineCoreOutputs = self._out.EngineCoreOutputs
-        outputs = {client: EngineCoreOutputs(outputs=outs) for client, outs in by_client.items()}
+        outputs: dict[int, Any] = {}
+        for client, outs in by_client.items():
+            outputs[client] = EngineCoreOutputs(outputs=outs)
         if self._finished_dict:
             for client, ids in self._finished_dict.items():
                 eco = outputs.get(client)
@@ -291,7 +299,9 @@ class DFlashRsScheduler(SchedulerInterface):
                 eco.finished_requests = ids
             self._finished_dict = {}
         if self.log_stats:
-            stats = self._make_stats(core_out, _invalid_drafts(scheduler_output, updated))
+            stats = self._make_stats(
+                core_out, _invalid_drafts(scheduler_output, updated) if invalid else []
+            )
             eco = next(iter(outputs.values()), None)
             if eco is None:
                 outputs[0] = eco = EngineCoreOutputs()
@@ -306,16 +316,6 @@ class DFlashRsScheduler(SchedulerInterface):
             message = errors[request.request_id]
             output = self._out.error_output(request, message, code="validation_error")
             by_client.setdefault(request.client_index, []).append(output)
-
-    def _oldest_in_flight(self, scheduler_output: Any) -> Any:
-        """The core's step of ``scheduler_output``, which must be the oldest one awaiting its
-        output (left in the queue: it leaves once its output is applied)."""
-        if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
-            raise SchedulerStateError(
-                "update_from_output got a SchedulerOutput that is not the oldest one "
-                "schedule() returned and that awaits its output"
-            )
-        return self._in_flight[0][1]
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
         if self._structured.live:
