@@ -622,11 +622,32 @@ impl PyVllmBridge {
         let py = draft_token_ids.py();
         let ids = draft_token_ids.getattr(intern!(py, "req_ids"))?;
         let lists = draft_token_ids.getattr(intern!(py, "draft_token_ids"))?;
-        let lists: Vec<Bound<'_, PyAny>> = lists.extract().map_err(|e| {
-            unless_fatal(py, e, || {
-                crate::errors::wrong_type(py, "draft_token_ids must be a list of token lists")
+        // SAFETY: `lists` is alive (held here) and its items while it is not changed: the new
+        // references are taken before anything else runs.
+        let exact = unsafe {
+            with_exact_items(py, lists.as_ptr(), |items| {
+                items
+                    .iter()
+                    .map(|&item| Owned::from_borrowed(py, item))
+                    .collect::<Vec<_>>()
             })
-        })?;
+        };
+        let lists: Vec<Owned<'_>> = match exact {
+            Some(lists) => lists,
+            None => lists
+                .extract::<Vec<Bound<'_, PyAny>>>()
+                .map_err(|e| {
+                    unless_fatal(py, e, || {
+                        crate::errors::wrong_type(
+                            py,
+                            "draft_token_ids must be a list of token lists",
+                        )
+                    })
+                })?
+                .into_iter()
+                .map(Owned::new)
+                .collect(),
+        };
         let n = ids.len()?;
         if n != lists.len() {
             return Err(invalid(
