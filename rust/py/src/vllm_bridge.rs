@@ -34,8 +34,8 @@ const PREFETCH_DISTANCE: usize = prefetch::DISTANCE;
 
 /// The vLLM classes the bridge instantiates.
 struct VllmTypes {
-    scheduler_output: StepOutputType,
-    cached_request_data: CachedRequestDataType,
+    scheduler_output: DataclassFields<10>,
+    cached_request_data: DataclassFields<7>,
     engine_core_output: EngineCoreOutputType,
     stats: StatsTypes,
     /// vLLM's `FinishReason` per core reason, in `FinishReason`'s order (stop, length, abort,
@@ -106,116 +106,99 @@ impl StatsTypes {
     }
 }
 
-/// vLLM's `SchedulerOutput` (a dataclass) and the indices of the fields the bridge sets, in
-/// `NAMES` order.
-struct StepOutputType {
+/// The fields of vLLM's `SchedulerOutput` the bridge sets, in the order it gives them.
+const STEP_OUTPUT_FIELDS: [&str; 10] = [
+    "scheduled_new_reqs",
+    "scheduled_cached_reqs",
+    "num_scheduled_tokens",
+    "total_num_scheduled_tokens",
+    "scheduled_spec_decode_tokens",
+    "scheduled_encoder_inputs",
+    "finished_req_ids",
+    "free_encoder_mm_hashes",
+    "preempted_req_ids",
+    "num_spec_tokens_to_schedule",
+];
+
+/// The fields of vLLM's `CachedRequestData`, in the order the bridge gives them.
+const CACHED_REQUEST_DATA_FIELDS: [&str; 7] = [
+    "req_ids",
+    "resumed_req_ids",
+    "new_token_ids",
+    "all_token_ids",
+    "new_block_ids",
+    "num_computed_tokens",
+    "num_output_tokens",
+];
+
+/// A vLLM dataclass the bridge builds from the same `N` fields each time, given in the order
+/// of the names it was made with.
+struct DataclassFields<const N: usize> {
     builder: DataclassBuilder,
-    fields: [usize; 10],
+    fields: [usize; N],
 }
 
-impl StepOutputType {
-    const NAMES: [&'static str; 10] = [
-        "scheduled_new_reqs",
-        "scheduled_cached_reqs",
-        "num_scheduled_tokens",
-        "total_num_scheduled_tokens",
-        "scheduled_spec_decode_tokens",
-        "scheduled_encoder_inputs",
-        "finished_req_ids",
-        "free_encoder_mm_hashes",
-        "preempted_req_ids",
-        "num_spec_tokens_to_schedule",
-    ];
-
-    fn new(cls: &Bound<'_, PyType>, cached: &CachedRequestDataType) -> PyResult<Self> {
+impl<const N: usize> DataclassFields<N> {
+    /// `example` holds valid values of the `names` fields (the direct build is checked on it).
+    fn new(
+        cls: &Bound<'_, PyType>,
+        names: &[&str; N],
+        example: [Bound<'_, PyAny>; N],
+    ) -> PyResult<Self> {
         let py = cls.py();
-        let empty_cached =
-            cached.build(py, std::array::from_fn(|_| PyList::empty(py).into_any()))?;
-        let example: [Bound<'_, PyAny>; 10] = [
-            PyList::empty(py).into_any(),
+        let pairs: Vec<(&str, Bound<'_, PyAny>)> = names.iter().copied().zip(example).collect();
+        let builder = DataclassBuilder::new(cls, &pairs)?;
+        let mut fields = [0; N];
+        for (slot, name) in fields.iter_mut().zip(names) {
+            *slot = builder.field(py, name)?;
+        }
+        Ok(Self { builder, fields })
+    }
+
+    fn build<'py>(
+        &self,
+        py: Python<'py>,
+        values: [Bound<'py, PyAny>; N],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let given: Vec<(usize, &Bound<'py, PyAny>)> =
+            self.fields.iter().copied().zip(values.iter()).collect();
+        self.builder.build(py, &given)
+    }
+}
+
+/// `SchedulerOutput` and `CachedRequestData`, checked on a valid empty step.
+fn step_output_types(
+    scheduler_output: &Bound<'_, PyType>,
+    cached_request_data: &Bound<'_, PyType>,
+) -> PyResult<(DataclassFields<10>, DataclassFields<7>)> {
+    let py = scheduler_output.py();
+    let list = || PyList::empty(py).into_any();
+    let dict = || PyDict::new(py).into_any();
+    let set = || PySet::empty(py).map(|s| s.into_any());
+    let zero = || 0_i64.into_pyobject(py).map(|z| z.into_any());
+    let cached = DataclassFields::new(
+        cached_request_data,
+        &CACHED_REQUEST_DATA_FIELDS,
+        [list(), set()?, list(), dict(), list(), list(), list()],
+    )?;
+    let empty_cached = cached.build(py, std::array::from_fn(|_| list()))?;
+    let step = DataclassFields::new(
+        scheduler_output,
+        &STEP_OUTPUT_FIELDS,
+        [
+            list(),
             empty_cached,
-            PyDict::new(py).into_any(),
-            0_i64.into_pyobject(py)?.into_any(),
-            PyDict::new(py).into_any(),
-            PyDict::new(py).into_any(),
-            PySet::empty(py)?.into_any(),
-            PyList::empty(py).into_any(),
-            PySet::empty(py)?.into_any(),
-            0_i64.into_pyobject(py)?.into_any(),
-        ];
-        let pairs: Vec<(&str, Bound<'_, PyAny>)> = Self::NAMES.into_iter().zip(example).collect();
-        let builder = DataclassBuilder::new(cls, &pairs)?;
-        let fields = field_indices(py, &builder, &Self::NAMES)?;
-        Ok(Self { builder, fields })
-    }
-
-    fn build<'py>(
-        &self,
-        py: Python<'py>,
-        values: [Bound<'py, PyAny>; 10],
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let given: Vec<(usize, &Bound<'py, PyAny>)> =
-            self.fields.iter().copied().zip(values.iter()).collect();
-        self.builder.build(py, &given)
-    }
-}
-
-/// vLLM's `CachedRequestData` (a dataclass) and the indices of its fields, in `NAMES` order.
-struct CachedRequestDataType {
-    builder: DataclassBuilder,
-    fields: [usize; 7],
-}
-
-impl CachedRequestDataType {
-    const NAMES: [&'static str; 7] = [
-        "req_ids",
-        "resumed_req_ids",
-        "new_token_ids",
-        "all_token_ids",
-        "new_block_ids",
-        "num_computed_tokens",
-        "num_output_tokens",
-    ];
-
-    fn new(cls: &Bound<'_, PyType>) -> PyResult<Self> {
-        let py = cls.py();
-        let example: [Bound<'_, PyAny>; 7] = [
-            PyList::empty(py).into_any(),
-            PySet::empty(py)?.into_any(),
-            PyList::empty(py).into_any(),
-            PyDict::new(py).into_any(),
-            PyList::empty(py).into_any(),
-            PyList::empty(py).into_any(),
-            PyList::empty(py).into_any(),
-        ];
-        let pairs: Vec<(&str, Bound<'_, PyAny>)> = Self::NAMES.into_iter().zip(example).collect();
-        let builder = DataclassBuilder::new(cls, &pairs)?;
-        let fields = field_indices(py, &builder, &Self::NAMES)?;
-        Ok(Self { builder, fields })
-    }
-
-    fn build<'py>(
-        &self,
-        py: Python<'py>,
-        values: [Bound<'py, PyAny>; 7],
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let given: Vec<(usize, &Bound<'py, PyAny>)> =
-            self.fields.iter().copied().zip(values.iter()).collect();
-        self.builder.build(py, &given)
-    }
-}
-
-/// The indices of the fields `names` of the dataclass `builder` builds.
-fn field_indices<const N: usize>(
-    py: Python<'_>,
-    builder: &DataclassBuilder,
-    names: &[&str; N],
-) -> PyResult<[usize; N]> {
-    let mut out = [0; N];
-    for (slot, name) in out.iter_mut().zip(names) {
-        *slot = builder.field(py, name)?;
-    }
-    Ok(out)
+            dict(),
+            zero()?,
+            dict(),
+            dict(),
+            set()?,
+            list(),
+            set()?,
+            zero()?,
+        ],
+    )?;
+    Ok((step, cached))
 }
 
 /// vLLM's `EngineCoreOutput` (a msgspec struct) and the indices of the fields the bridge sets.
@@ -415,14 +398,14 @@ impl PyVllmBridge {
             reason("ABORT")?,
             reason("ERROR")?,
         ];
-        let cached = CachedRequestDataType::new(cached_request_data)?;
+        let (step_output, cached) = step_output_types(scheduler_output, cached_request_data)?;
         let num_spec_tokens = scheduler.get().with_state(finish_reason.py(), |st| {
             Ok(st.inner.config().num_speculative_tokens)
         })?;
         Ok(Self {
             scheduler,
             types: VllmTypes {
-                scheduler_output: StepOutputType::new(scheduler_output, &cached)?,
+                scheduler_output: step_output,
                 cached_request_data: cached,
                 engine_core_output: EngineCoreOutputType::new(engine_core_output)?,
                 stats: StatsTypes::new(stats)?,
