@@ -215,11 +215,11 @@ class DFlashRsScheduler(SchedulerInterface):
             structured.release_ready()
             core_out = self._core.schedule(throttle_prefills)
             structured.note_passed_over()
-        elif self._out.preempted_between_steps:
-            core_out = self._core.schedule(throttle_prefills)
         else:
             # One call: the step and, when nobody is admitted, preempted or reported finished
-            # (a steady decode), its SchedulerOutput, which needs no bookkeeping here.
+            # (a steady decode), its SchedulerOutput, which needs no bookkeeping here. Requests
+            # preempted between steps (reset_prefix_cache) are reported by the step, so that
+            # step takes the bookkeeping path.
             core_out, out = self._out.bridge.schedule(throttle_prefills, self.num_spec_tokens)
         self._num_finished_unreported = 0  # the step reports every id finished so far
         if out is None:

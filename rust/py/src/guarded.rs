@@ -3,9 +3,9 @@
 //! Calls from several threads are serialised: a thread that finds the state busy waits with the
 //! GIL released, so the holder can reacquire it. The holder itself keeps the GIL: its work is
 //! microseconds to a millisecond, and a released GIL that a busy thread took comes back only
-//! when that thread yields it, up to the switch interval (5 ms) later. A re-entrant call from the thread that already
-//! holds the state (Python code run during a call, calling back in) is refused with
-//! `SchedulerStateError` instead of deadlocking. A panic inside a call becomes an
+//! when that thread yields it, up to the switch interval (5 ms) later. A re-entrant call from
+//! the thread that already holds the state (Python code run during a call, calling back in) is
+//! refused with `SchedulerStateError` instead of deadlocking. A panic inside a call becomes an
 //! `InvariantError`; the object then refuses every later call, since its state may be half
 //! updated. No panic reaches the interpreter and nothing aborts the process.
 
