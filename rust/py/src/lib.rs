@@ -2,6 +2,7 @@
 //! maps errors and serialises threads; all logic lives in the core.
 //!
 //! Modules, bottom-up (each uses only those above it):
+//! - `allocator`: the global allocator (mimalloc) and the warm reserve the steps use.
 //! - `errors`: core errors mapped onto the exception classes of `dflash_rs.errors`.
 //! - `dataclass_build`: plain dataclass instances built by setting their fields.
 //! - `refcount`: reference counts changed in place, for the bridge's per-request loops.
@@ -28,6 +29,7 @@
 //! - `vllm_bridge`: `_VllmBridge`, the vLLM drop-in's per-step objects in one pass.
 //! - `fault_hook`: `_inject_fault`, test-only (feature `fault-injection`).
 
+mod allocator;
 mod compact_int;
 mod convert;
 mod dataclass_build;
@@ -57,18 +59,10 @@ mod vllm_bridge;
 
 use pyo3::prelude::*;
 
-/// mimalloc for every Rust allocation of the extension (Python's own objects keep Python's
-/// allocator). A step walks each running request's token, hash and block vectors; mimalloc
-/// packs such vectors of one size class together in arenas it backs with transparent huge
-/// pages, so the walk touches far fewer pages (and TLB entries) than with glibc's malloc
-/// (measured when it was introduced; see the history of docs/BENCHMARKS.md).
-/// `local_dynamic_tls` because the module is loaded with `dlopen`.
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// The native module behind the `dflash_rs` package.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    allocator::keep_freed_memory();
     errors::resolve_classes(m.py())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<kv_cache_manager::PyKvCacheManager>()?;

@@ -9,6 +9,7 @@ use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::PyTraverseError;
 
+use crate::allocator;
 use crate::errors::{to_py, IntoPyResult};
 use crate::guarded::Guarded;
 use crate::interned_ids::InternedIds;
@@ -78,7 +79,11 @@ impl PyScheduler {
         config: Py<PyAny>,
     ) -> PyResult<Self> {
         let max_model_len = core_config.max_model_len;
+        let warm = allocator::warm_bytes(core_config.max_num_seqs, max_model_len);
         let inner = Scheduler::new(core_config).py(py)?;
+        // After the pool's arrays (written as they are made): the steps' allocations then find
+        // their pages faulted in.
+        allocator::warm_thread(warm);
         Ok(Self {
             state: Guarded::new(State::new(inner), "Scheduler"),
             config,
