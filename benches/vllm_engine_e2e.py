@@ -23,7 +23,8 @@ shared, so this is elapsed, not CPU, time):
                ``update_from_output`` + ``update_draft_token_ids`` (+ ``_in_output``), outermost
                calls only, divided by total step time
   costliest    the run's six costliest scheduler calls (JSON ``sched_costliest_ms``: index
-               among the run's calls, method, ms): a stall shows up here, not in a mean
+               among the run's calls, method, ms): a stall shows up here, not in a mean; the
+               table's "costliest call ms" is the costliest over the cell's reps
 
 Both schedulers get the same wrappers (installed after the LLM is built, before warm-up).
 Reps alternate the schedulers (each rep a fresh process per scheduler and spec, the order
@@ -496,6 +497,11 @@ def summarize(a: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, An
                         [1e3 * x["sched_s"] / x["steps"] for x in xs if x["steps"]]
                     ),
                     "steps": median([x["steps"] for x in xs]),
+                    # The worst over reps: one stalled call is what this column is for.
+                    "sched_max_call_ms": max(
+                        (max((c[2] for c in x["sched_costliest_ms"]), default=0.0) for x in xs),
+                        default=math.nan,
+                    ),
                     "generate_s": median([x["generate_s"] for x in xs]),
                     "cpu_util": median([x["cpu_util"] for x in xs]),
                 }
@@ -529,6 +535,7 @@ def print_table(a: argparse.Namespace, summary: dict[str, Any], markdown: bool) 
         "p99 ms",
         "sched share",
         "sched ms/step",
+        "costliest call ms",
         "steps",
         "ours/vLLM tok/s (paired)",
     )
@@ -558,6 +565,7 @@ def print_table(a: argparse.Namespace, summary: dict[str, Any], markdown: bool) 
                         fmt(c["step_p99_ms"], ".2f"),
                         fmt(100 * c["sched_share"], ".1f") + "%",
                         fmt(c["sched_ms_per_step"], ".3f"),
+                        fmt(c["sched_max_call_ms"], ".2f"),
                         fmt(c["steps"], ".0f"),
                         ratio if i == len(a.side_list) - 1 else "",
                     )
