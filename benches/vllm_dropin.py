@@ -91,7 +91,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--n", default="256,1024", help="running requests N (comma list)")
     p.add_argument("--modes", default="decode", help="decode and/or serve (comma list)")
     p.add_argument("--serve-max-tokens", type=int, default=256, help="serve: max_tokens 1..this")
-    p.add_argument("-k", type=int, default=8, help="DFlash K")
+    p.add_argument("-k", type=int, default=8, help="DFlash K (0: no speculation)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--measure-steps", type=int, default=150)
@@ -228,7 +228,7 @@ def run_one(
     per_req = math.ceil((a.max_prompt + max_tokens + a.k + 2) / a.block_size) + 1
     cfg, kv = offline.configs(
         num_blocks=n * per_req + 1,
-        method="dflash",
+        method="dflash" if a.k else "none",
         num_speculative_tokens=a.k,
         block_size=a.block_size,
         max_model_len=a.max_model_len,
@@ -307,7 +307,7 @@ def run_one(
             g3 = (clock.ns, clock.runs)
             td = 0
             g4 = g5 = (clock.ns, clock.runs)
-            if live:
+            if live and a.k:
                 drafts = runner.drafts(live)
                 g4 = (clock.ns, clock.runs)
                 if hook:
