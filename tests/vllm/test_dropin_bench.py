@@ -68,6 +68,16 @@ def test_the_dropin_bench_times_both_sides_and_the_collector(
     assert doc["args"]["finished_requests"] == finished
 
 
+def test_the_dropin_bench_runs_without_speculation(tmp_path: Path) -> None:
+    """``-k 0``: no speculative config on either side, so no drafts are scheduled or timed."""
+    out = tmp_path / "dropin.json"
+    assert _dropin().main([*TINY, "--modes", "decode", "-k", "0", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert {r["side"] for r in runs} == {"vllm", "dflash-rs"}
+    for r in runs:
+        assert r["p50_us"]["total"] > 0 and r["p50_us"]["drafts"] == 0
+
+
 def test_ab_builds_runs_the_dropin_bench_against_each_build(tmp_path: Path) -> None:
     """The same build twice (an A/A run): both are loaded from their snapshot and compared."""
     import dflash_rs._core
