@@ -16,16 +16,18 @@ use std::cell::Cell;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// mimalloc's `mi_option_purge_delay` (its v3 option numbering, which `libmimalloc-sys`
-/// names no constant for).
-const OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+/// mimalloc's `mi_option_purge_delay`, which `libmimalloc-sys` names no constant for: in
+/// mimalloc v3's numbering it comes right before `mi_option_use_numa_nodes`.
+const OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t =
+    libmimalloc_sys::mi_option_use_numa_nodes - 1;
 
 /// The warm reserve is touched in pieces of this size (a mimalloc large page), so that each
 /// lands at the first free span of the thread's arena chunk, where later pages are carved.
 const PIECE: usize = 4 << 20;
 
-/// Bounds of a thread's warm reserve.
+/// The smallest warm reserve of a thread.
 const MIN_WARM: usize = 16 << 20;
+/// The largest warm reserve of a thread.
 const MAX_WARM: usize = 64 << 20;
 
 thread_local! {
@@ -82,6 +84,20 @@ pub(crate) fn warm_thread(bytes: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_purge_delay_option_is_the_one_set() {
+        // Its default (1,000 ms in mimalloc v3) tells it from its neighbours.
+        // SAFETY: mi_option_get only reads the option's value.
+        let get = |o| unsafe { libmimalloc_sys::mi_option_get(o) };
+        assert_ne!(get(OPTION_PURGE_DELAY - 1), 1000);
+        assert_ne!(get(OPTION_PURGE_DELAY + 1), 1000);
+        if get(OPTION_PURGE_DELAY) != -1 {
+            assert_eq!(get(OPTION_PURGE_DELAY), 1000);
+        }
+        keep_freed_memory();
+        assert_eq!(get(OPTION_PURGE_DELAY), -1);
+    }
 
     #[test]
     fn warm_bytes_scales_with_the_config_within_bounds() {
