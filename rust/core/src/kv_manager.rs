@@ -503,6 +503,31 @@ impl KvCacheManager {
         true
     }
 
+    /// Whether a running request's next allocation registers blocks (those full of its known
+    /// tokens), found without a division: most decode steps complete none. If it does, the
+    /// lines of its first such block's id and hash are prefetched, which
+    /// [`Self::prefetch_cache_blocks_noting`] reads next.
+    #[inline]
+    pub(crate) fn registers_on_next_allocation(
+        &self,
+        req: &RequestBlocks,
+        seq: SequenceView<'_>,
+    ) -> bool {
+        let num_tokens = seq.num_tokens();
+        if !self.pool.caching_enabled() || self.next_block_unfilled(req, seq, num_tokens) {
+            return false;
+        }
+        let range = self.blocks_to_cache(req, seq, num_tokens);
+        if let (Some(id), Some(hash)) = (
+            req.block_ids.get(range.start),
+            seq.block_hashes.get(range.start),
+        ) {
+            crate::memory::prefetch::read(id);
+            crate::memory::prefetch::read(hash);
+        }
+        !range.is_empty()
+    }
+
     /// [`Self::prefetch_cache_blocks_noting`] of a non-empty `range` of blocks.
     fn prefetch_range(
         &self,
@@ -656,13 +681,10 @@ mod tests {
     use super::*;
     use crate::hashing::{BlockHash, ExtraKeys};
 
-    /// `next_block_unfilled` answers without a division only where `blocks_to_cache` is empty.
-    #[test]
-    fn an_unfilled_next_block_has_nothing_to_cache() {
-        let kv = KvCacheManager::new(64, 4, 256, true).unwrap();
-        let tokens: Vec<u32> = (0..40).collect();
-        let hashes = vec![[0u8; 32] as BlockHash; 10];
-        let extra = ExtraKeys::default();
+    /// The block lists the tests below try, with how many of the sequence's block hashes
+    /// exist: every count of registered blocks that each pair allows.
+    fn request_shapes() -> Vec<(RequestBlocks, usize)> {
+        let mut shapes = Vec::new();
         for num_hashes in [0, 3, 10] {
             for num_blocks in [0, 2, 10] {
                 for num_cached in 0..=num_blocks.min(num_hashes) {
@@ -671,16 +693,64 @@ mod tests {
                         num_cached_blocks: num_cached,
                         cached_fingerprint: None,
                     };
+                    shapes.push((req, num_hashes));
+                }
+            }
+        }
+        shapes
+    }
+
+    /// The running phase's prefetch pass picks exactly the requests whose next allocation
+    /// registers blocks (those `cache_blocks` registers up to the known tokens), and none when
+    /// caching is off.
+    #[test]
+    fn a_request_registers_on_next_allocation_exactly_when_it_has_blocks_to_cache() {
+        let tokens: Vec<u32> = (0..40).collect();
+        let hashes = vec![[0u8; 32] as BlockHash; 10];
+        let extra = ExtraKeys::default();
+        let (mut registering, mut not) = (0, 0);
+        for caching in [true, false] {
+            let kv = KvCacheManager::new(64, 4, 256, caching).unwrap();
+            for (req, num_hashes) in request_shapes() {
+                for num_tokens in 0..=tokens.len() {
                     let seq = SequenceView {
-                        tokens: &tokens,
+                        tokens: &tokens[..num_tokens],
                         block_hashes: &hashes[..num_hashes],
                         extra: &extra,
                     };
-                    for num_tokens in 0..48 {
-                        if kv.next_block_unfilled(&req, seq, num_tokens) {
-                            assert!(kv.blocks_to_cache(&req, seq, num_tokens).is_empty());
-                        }
+                    let expected = caching && !kv.blocks_to_cache(&req, seq, num_tokens).is_empty();
+                    let got = kv.registers_on_next_allocation(&req, seq);
+                    assert_eq!(
+                        got, expected,
+                        "{req:?}, {num_hashes} hashes, {num_tokens} tokens, caching {caching}"
+                    );
+                    if got {
+                        registering += 1;
+                    } else {
+                        not += 1;
                     }
+                }
+            }
+        }
+        assert!(registering > 0 && not > 0);
+    }
+
+    /// `next_block_unfilled` answers without a division only where `blocks_to_cache` is empty.
+    #[test]
+    fn an_unfilled_next_block_has_nothing_to_cache() {
+        let kv = KvCacheManager::new(64, 4, 256, true).unwrap();
+        let tokens: Vec<u32> = (0..40).collect();
+        let hashes = vec![[0u8; 32] as BlockHash; 10];
+        let extra = ExtraKeys::default();
+        for (req, num_hashes) in request_shapes() {
+            let seq = SequenceView {
+                tokens: &tokens,
+                block_hashes: &hashes[..num_hashes],
+                extra: &extra,
+            };
+            for num_tokens in 0..48 {
+                if kv.next_block_unfilled(&req, seq, num_tokens) {
+                    assert!(kv.blocks_to_cache(&req, seq, num_tokens).is_empty());
                 }
             }
         }

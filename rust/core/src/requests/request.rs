@@ -247,6 +247,13 @@ impl Request {
         self.tokens.len()
     }
 
+    /// Tokens a running request has yet to compute: its known tokens, drafts and output
+    /// placeholders past those computed (before any cap of a step).
+    pub fn num_tokens_to_compute(&self) -> usize {
+        (self.num_tokens() + self.spec_token_ids.len() + self.num_output_placeholders)
+            .saturating_sub(self.num_computed_tokens)
+    }
+
     /// Prompt length.
     pub fn num_prompt_tokens(&self) -> usize {
         self.num_prompt_tokens

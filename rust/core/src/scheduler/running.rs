@@ -25,6 +25,9 @@ impl Scheduler {
         out: &mut StepOutput,
     ) -> CoreResult<bool> {
         let mut prefill_scheduled = false;
+        if !self.update_registers_blocks() {
+            self.prefetch_running_registrations(*budget);
+        }
         let lookahead = self.lookahead_for(AllocationKind::Running);
         let threshold = self.config.long_prefill_token_threshold;
         let max_model_len = self.config.max_model_len;
@@ -43,8 +46,7 @@ impl Scheduler {
             }
             let computed = r.num_computed_tokens;
             let placeholders = r.num_output_placeholders;
-            let mut num_new =
-                (r.num_tokens() + r.spec_token_ids.len() + placeholders).saturating_sub(computed);
+            let mut num_new = r.num_tokens_to_compute();
             if threshold > 0 && num_new > threshold {
                 num_new = threshold;
             }
@@ -122,6 +124,60 @@ impl Scheduler {
             index += 1;
         }
         Ok(prefill_scheduled)
+    }
+
+    /// Whether `update_from_output` registers the blocks that the accepted tokens filled (so
+    /// that the next allocation has none to register): with speculative decoding in vLLM 0.33,
+    /// and under async scheduling.
+    fn update_registers_blocks(&self) -> bool {
+        let v0_32 = self.config.vllm_semantics == VllmSemantics::V0_32;
+        self.config.async_scheduling || (self.config.num_speculative_tokens > 0 && !v0_32)
+    }
+
+    /// Asks for the pool lines that this phase's registrations will touch, for every running
+    /// request at once, before the loop that allocates. A registration reads the block's id
+    /// and hash in the request's vectors, then the block's record and its hash bucket, then
+    /// the record it links after; the engine's work has evicted them all. One request at a
+    /// time those misses would not overlap; here each wave asks for a line of every
+    /// registering request (as `update_from_output` does where it registers). It stops where
+    /// `budget` would run out if each request got all its tokens, as the loop stops there (the
+    /// loop may cap a request's tokens and reach further; its misses are then its own).
+    fn prefetch_running_registrations(&mut self, mut budget: StepBudget) {
+        let mut registering = std::mem::take(&mut self.scratch.registering);
+        registering.clear();
+        for &slot in &self.running {
+            if !budget.can_schedule() {
+                break;
+            }
+            let Ok(r) = self.store.get(slot) else {
+                continue;
+            };
+            budget.take(r.num_tokens_to_compute().min(budget.cap()));
+            if self
+                .kv
+                .registers_on_next_allocation(&r.blocks, r.sequence())
+            {
+                registering.push(slot);
+            }
+        }
+        if !registering.is_empty() {
+            let mut hashes = std::mem::take(&mut self.scratch.cache_hashes);
+            hashes.clear();
+            for &slot in &registering {
+                if let Ok(r) = self.store.get(slot) {
+                    let seq = r.sequence();
+                    self.kv.prefetch_cache_blocks_noting(
+                        &r.blocks,
+                        seq,
+                        seq.num_tokens(),
+                        &mut hashes,
+                    );
+                }
+            }
+            self.kv.prefetch_chains(&hashes);
+            self.scratch.cache_hashes = hashes;
+        }
+        self.scratch.registering = registering;
     }
 
     /// After the pool could not give `slot` (at `index` in `running`) the slots for

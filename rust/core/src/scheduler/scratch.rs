@@ -34,8 +34,11 @@ pub(super) struct StepScratch {
     /// `update_from_output`'s second pass: (rank, slot, tokens done) of requests with blocks
     /// to cache.
     pub(super) to_cache: Vec<(u32, u32, usize)>,
-    /// `update_from_output`'s hashes of the blocks it will register (their chains are
-    /// prefetched in a second wave).
+    /// The running requests whose next allocation registers blocks (prefetched before the
+    /// running phase allocates).
+    pub(super) registering: Vec<u32>,
+    /// The hashes of the blocks `update_from_output`, or the running phase, will register
+    /// (their chains are prefetched in a later wave).
     pub(super) cache_hashes: Vec<BlockHash>,
     /// `update_from_output`'s draft counters.
     pub(super) tally: DraftTally,
