@@ -195,3 +195,51 @@ impl RequestStore {
         self.ids.keys().map(String::as_str)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::requests::request::RequestSpec;
+
+    fn request(id: &str) -> Request {
+        let spec = RequestSpec {
+            request_id: id.to_string(),
+            prompt_token_ids: vec![1, 2, 3],
+            max_tokens: 4,
+            ..RequestSpec::default()
+        };
+        Request::new(spec, 0, None, 64)
+    }
+
+    /// A slot's request is found while it is live and never after it was removed: the slot
+    /// then reads as empty everywhere, its generation moves on, and a new request reuses it.
+    #[test]
+    fn a_removed_request_is_gone_from_its_slot() {
+        let mut store = RequestStore::default();
+        let a = store.insert(request("a")).unwrap();
+        let b = store.insert(request("b")).unwrap();
+        let generation = store.slot_of_generation(a).unwrap();
+
+        let removed = store.remove(a).unwrap();
+        assert_eq!(removed.spec.request_id, "a");
+        assert_eq!(removed.tokens, [1, 2, 3]);
+        assert!(store.get(a).is_err());
+        assert!(store.get_mut(a).is_err());
+        assert!(store.get_mut_with_row(a).is_err());
+        assert!(store.get_mut_with_generation(a).is_err());
+        assert!(store.get_mut_if_current(a, generation).is_none());
+        assert_eq!(store.slot_of_generation(a), None);
+        assert_ne!(store.generation(a), generation);
+        assert_eq!(store.slot_of("a"), None);
+        assert!(store.remove(a).is_err(), "a slot is freed once");
+        let live: Vec<u32> = store.iter().map(|(slot, _)| slot).collect();
+        assert_eq!(live, [b]);
+        assert_eq!(store.len(), 1);
+
+        let c = store.insert(request("c")).unwrap();
+        assert_eq!(c, a, "the free slot is reused");
+        assert_eq!(store.get(c).unwrap().spec.request_id, "c");
+        assert_eq!(store.slot_of_generation(c), Some(store.generation(a)));
+        assert!(store.get_mut_if_current(c, generation).is_none());
+    }
+}
