@@ -59,6 +59,8 @@ if [[ ! -f $venv/.complete ]]; then
     rm -f "$venv/.dflash-rs-wheel" "$venv/.dflash-rs-test-plugin"
     touch "$venv/.complete"
 fi
+source scripts/lib/wheel_venvs.sh
+note_venv_use "$venv"
 
 if [[ -L $LINK || ! -e $LINK ]]; then
     [[ $(readlink "$LINK" 2>/dev/null) == "$venv" ]] || ln -sfn "$venv" "$LINK"

@@ -34,8 +34,8 @@ series=$(cut -d. -f1,2 <<<"$VLLM_VERSION")
 if [[ $series == 0.33 ]]; then default_venv=.venv-vllm; else default_venv=.venv-vllm-$series; fi
 interpreter=python3
 interpreter_key=()
+source scripts/lib/wheel_venvs.sh
 if [[ -n ${VLLM_PYTHON:-} ]]; then
-    source scripts/lib/wheel_venvs.sh
     interpreter=$(find_python "$VLLM_PYTHON")
     full=$("$interpreter" -c 'import platform; print(platform.python_version())')
     interpreter_key=("python==$full")
@@ -65,6 +65,7 @@ if [[ ! -f $cache/.complete ]]; then
     "$cache/bin/python" -m pip install -q "${pins[@]}"
     touch "$cache/.complete"
 fi
+note_venv_use "$cache"
 if [[ $(readlink "$VENV_VLLM" 2>/dev/null) != "$cache" ]]; then
     [[ -L $VENV_VLLM || ! -e $VENV_VLLM ]] || { echo "$VENV_VLLM is not a link: remove it" >&2; exit 2; }
     ln -sfn "$cache" "$VENV_VLLM"

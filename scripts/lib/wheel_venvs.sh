@@ -1,5 +1,6 @@
 # Helpers shared by the scripts that test the release wheel in cached venvs
-# (kernels_matrix.sh, python_matrix.sh, vllm_env.sh). Source it from the repository root.
+# (kernels_matrix.sh, python_matrix.sh, vllm_env.sh, vllm_cpu_env.sh). Source it from the
+# repository root.
 
 # find_python X.Y: prints a CPython X.Y interpreter (python X.Y on PATH, else pyenv's newest
 # X.Y.* build), or fails.
@@ -41,7 +42,14 @@ cached_venv() {
         "$cache/bin/python" -m pip install -q "${pins[@]}" >&2
         touch "$cache/.complete"
     fi
+    note_venv_use "$cache"
     echo "$cache"
+}
+
+# note_venv_use VENV: marks a cached venv used now (scripts/prune_cache.sh keeps those a CI run
+# used and removes the rest).
+note_venv_use() {
+    touch "$1/.last-used"
 }
 
 # install_wheel VENV WHEEL: installs WHEEL without dependencies, unless that very file is in.
