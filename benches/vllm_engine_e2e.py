@@ -69,6 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 SIDES = {"vllm": None, "dflash-rs": "dflash_rs.vllm.DFlashRsScheduler"}
@@ -181,13 +182,13 @@ def apply_cpu_dflash_workaround() -> str:
 
 
 #: What ``--clock`` times the steps and the scheduler's calls in.
-CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 class Timers:
     """Accumulators around the EngineCore step and the scheduler's methods, in ``clock``."""
 
-    def __init__(self, clock: Any = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = CLOCKS["wall"]) -> None:
         self.clock = clock
         self.depth = 0
         self.reset()
