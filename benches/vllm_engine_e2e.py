@@ -24,6 +24,9 @@ disturbs less (tok/s stays wall time):
   sched share  time inside the scheduler's ``schedule`` + ``get_grammar_bitmask`` +
                ``update_from_output`` + ``update_draft_token_ids`` (+ ``_in_output``), outermost
                calls only, divided by total step time
+  call p50     each scheduler method's median call (JSON ``sched_p50_ms_by_method``): with
+               ~64 steps per run, a steady decode step's call, where the means carry the
+               prefills
   costliest    the run's six costliest scheduler calls (JSON ``sched_costliest_ms``: index
                among the run's calls, method, ms): a stall shows up here, not in a mean; the
                table's "costliest call ms" is the costliest over the cell's reps
@@ -207,6 +210,13 @@ class Timers:
         #: Every timed call in order: (method, seconds).
         self.call_log: list[tuple[str, float]] = []
 
+    def median_ms_by_method(self) -> dict[str, float]:
+        """Each method's median call in ms (only methods that were called)."""
+        by_method: dict[str, list[float]] = {}
+        for name, dt in self.call_log:
+            by_method.setdefault(name, []).append(dt)
+        return {name: 1e3 * statistics.median(dts) for name, dts in by_method.items()}
+
     def wrap_scheduler(self, sched: Any) -> list[str]:
         wrapped = []
         for name in SCHED_METHODS:
@@ -368,6 +378,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
                 "sched_share": sched_s / timers.step_total if timers.step_total else math.nan,
                 "sched_s_by_method": dict(timers.sched),
                 "sched_calls": dict(timers.calls),
+                "sched_p50_ms_by_method": timers.median_ms_by_method(),
                 # The costliest scheduler calls: (index among the run's calls, method, ms).
                 "sched_costliest_ms": [
                     (i, name, 1e3 * dt)

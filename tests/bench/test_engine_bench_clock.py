@@ -53,3 +53,12 @@ def test_a_wait_counts_in_wall_time_and_not_in_cpu_time(clock: str) -> None:
             assert seconds >= SLEEP_S
         else:
             assert seconds < SLEEP_S / 4
+
+
+def test_the_median_call_of_each_method() -> None:
+    bench = load_bench()
+    timers = bench.Timers()
+    timers.call_log = [("schedule", 0.001), ("update_from_output", 0.004), ("schedule", 0.009)]
+    timers.call_log += [("schedule", 0.002), ("update_from_output", 0.006)]
+    medians = timers.median_ms_by_method()
+    assert medians == pytest.approx({"schedule": 2.0, "update_from_output": 5.0})
