@@ -25,7 +25,7 @@ impl Scheduler {
         out: &mut StepOutput,
     ) -> CoreResult<bool> {
         let mut prefill_scheduled = false;
-        if !self.update_registers_blocks() {
+        if self.running_phase_registers_blocks() {
             self.prefetch_running_registrations(*budget);
         }
         let lookahead = self.lookahead_for(AllocationKind::Running);
@@ -126,12 +126,14 @@ impl Scheduler {
         Ok(prefill_scheduled)
     }
 
-    /// Whether `update_from_output` registers the blocks that the accepted tokens filled (so
-    /// that the next allocation has none to register): with speculative decoding in vLLM 0.33,
-    /// and under async scheduling.
-    fn update_registers_blocks(&self) -> bool {
+    /// Whether this phase's allocations register the blocks that the previous step's tokens
+    /// filled: with prefix caching on, unless `update_from_output` registers them (with
+    /// speculative decoding in vLLM 0.33, and under async scheduling).
+    fn running_phase_registers_blocks(&self) -> bool {
         let v0_32 = self.config.vllm_semantics == VllmSemantics::V0_32;
-        self.config.async_scheduling || (self.config.num_speculative_tokens > 0 && !v0_32)
+        let update_registers =
+            self.config.async_scheduling || (self.config.num_speculative_tokens > 0 && !v0_32);
+        self.kv.pool().caching_enabled() && !update_registers
     }
 
     /// Asks for the pool lines that this phase's registrations will touch, for every running
