@@ -69,3 +69,22 @@ def test_local_prefill_cadence() -> None:
     init = inspect.getsource(Scheduler.__init__)
     assert ("self.local_prefill_interval" in init) == SERIES.has_local_prefill_cadence
     assert "throttle_prefills" in inspect.signature(Scheduler.schedule).parameters
+
+
+def test_a_scheduler_under_another_series_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Built under a vLLM series it does not know (0.34 changed the shape of the objects the
+    scheduler reads and hands out), ``DFlashRsScheduler`` raises the version's error before it
+    reads any of vLLM's config: never an ``AttributeError`` from a config of another shape."""
+    from dflash_rs.vllm import DFlashRsScheduler
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    installed.cache_clear()
+    try:
+        with pytest.raises(UnsupportedFeatureError, match=r"0\.32 and 0\.33, found 0\.34\.0"):
+            DFlashRsScheduler(object(), object(), None, block_size=32)
+    finally:
+        monkeypatch.undo()
+        installed.cache_clear()
+    assert installed().version == vllm.__version__

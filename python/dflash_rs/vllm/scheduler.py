@@ -28,6 +28,7 @@ from dflash_rs.errors import (
     SchedulerStateError,
     UnsupportedFeatureError,
 )
+from dflash_rs.vllm._compat import installed
 from dflash_rs.vllm._config import translate_config
 from dflash_rs.vllm._kv_events import KvEvents, create_publisher
 from dflash_rs.vllm._outputs import OutputBuilder
@@ -69,6 +70,7 @@ class DFlashRsScheduler(SchedulerInterface):
         include_finished_set: bool = False,
         log_stats: bool = False,
     ) -> None:
+        installed()  # another vLLM series is refused first, by name
         tr = translate_config(vllm_config, kv_cache_config, block_size, hash_block_size)
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
