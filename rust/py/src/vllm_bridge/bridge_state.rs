@@ -16,7 +16,7 @@ use crate::scheduler_state::State;
 pub(super) struct BridgeState {
     /// The runner's latest draft list per slot: reused as the value of
     /// `scheduled_spec_decode_tokens` when it still holds exactly the drafts scheduled.
-    pub(super) drafts: Vec<Option<(u32, Py<PyList>)>>,
+    drafts: Vec<Option<(u32, Py<PyList>)>>,
     /// `(generation, step number)` of each slot's latest step (the V1 runner gets
     /// `all_token_ids` of a request that was not in the previous step).
     pub(super) last_scheduled: Vec<(u32, u64)>,
@@ -28,7 +28,7 @@ pub(super) struct BridgeState {
     pub(super) ints: IntCache,
     /// The latest `num_scheduled_tokens`, privately kept: a step with the same batch and
     /// counts (a steady decode) hands out a copy of it.
-    pub(super) num_scheduled: Option<NumScheduledTemplate>,
+    num_scheduled: Option<NumScheduledTemplate>,
     /// The cumulative counters at the latest stats: prefix-cache lookups (first admissions,
     /// then re-admissions: requests, queries, hits each) and speculative decoding.
     pub(super) prefix_snapshot: [u64; 6],
@@ -50,7 +50,7 @@ pub(super) struct SpecCounters {
 /// output-token counts of a step are then no allocation each.
 #[derive(Default)]
 pub(super) struct IntCache {
-    pub(super) ints: Vec<Option<Py<PyAny>>>,
+    ints: Vec<Option<Py<PyAny>>>,
 }
 
 impl IntCache {
@@ -87,10 +87,10 @@ impl IntCache {
 
 /// The latest step's batch and counts, with a private `num_scheduled_tokens` dict of them once
 /// two steps in a row had them.
-pub(super) struct NumScheduledTemplate {
-    pub(super) slots: Vec<(u32, u32)>,
-    pub(super) counts: Vec<i32>,
-    pub(super) dict: Option<Py<PyDict>>,
+struct NumScheduledTemplate {
+    slots: Vec<(u32, u32)>,
+    counts: Vec<i32>,
+    dict: Option<Py<PyDict>>,
 }
 
 impl BridgeState {

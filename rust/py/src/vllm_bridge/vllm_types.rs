@@ -110,7 +110,7 @@ const CACHED_REQUEST_DATA_FIELDS: [&str; 7] = [
 /// of the names it was made with.
 pub(super) struct DataclassFields<const N: usize> {
     pub(super) builder: DataclassBuilder,
-    pub(super) fields: [usize; N],
+    fields: [usize; N],
 }
 
 impl<const N: usize> DataclassFields<N> {
@@ -179,10 +179,10 @@ pub(super) fn step_output_types(
 /// vLLM's `EngineCoreOutput` (a msgspec struct) and the indices of the fields the bridge sets.
 pub(super) struct EngineCoreOutputType {
     pub(super) builder: StructBuilder,
-    pub(super) request_id: usize,
-    pub(super) new_token_ids: usize,
-    pub(super) finish_reason: usize,
-    pub(super) stop_reason: usize,
+    request_id: usize,
+    new_token_ids: usize,
+    finish_reason: usize,
+    stop_reason: usize,
 }
 
 impl EngineCoreOutputType {
