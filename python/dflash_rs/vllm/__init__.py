@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+# The vLLM release series the drop-in is written and tested against, oldest first (what
+# differs between them: ``dflash_rs.vllm._compat``, which imports no vLLM).
+from dflash_rs.vllm._compat import SUPPORTED_SERIES as SUPPORTED_VLLM
+
 if TYPE_CHECKING:
     from dflash_rs.vllm.scheduler import DFlashRsScheduler
 
 __all__ = ["SUPPORTED_VLLM", "DFlashRsScheduler"]
-
-#: The vLLM release series the drop-in is written and tested against, oldest first (what
-#: differs between them: ``dflash_rs.vllm._compat``).
-SUPPORTED_VLLM = ("0.32", "0.33")
 
 
 def __getattr__(name: str) -> Any:

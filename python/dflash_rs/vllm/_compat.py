@@ -34,7 +34,7 @@ from dflash_rs.errors import UnsupportedFeatureError
 __all__ = ["SUPPORTED_SERIES", "VllmSeries", "installed", "series_of"]
 
 #: The vLLM release series the drop-in is written and tested against, oldest first.
-SUPPORTED_SERIES = ("0.32", "0.33")  # dflash_rs.vllm.SUPPORTED_VLLM
+SUPPORTED_SERIES = ("0.32", "0.33")  # exported as dflash_rs.vllm.SUPPORTED_VLLM
 
 
 @dataclass(frozen=True)
