@@ -30,6 +30,10 @@ disturbs less (tok/s stays wall time):
   costliest    the run's six costliest scheduler calls (JSON ``sched_costliest_ms``: index
                among the run's calls, method, ms): a stall shows up here, not in a mean; the
                table's "costliest call ms" is the costliest over the cell's reps
+  breakdown    with ``--breakdown``, dflash-rs only: the adapter's calls into its Rust bridge
+               timed too (JSON ``bridge_s_by_method``, ``bridge_p50_ms_by_method``), and the
+               scheduler's time outside them (``adapter_python_s``: the adapter's Python and
+               the vLLM objects it handles there); each timed call costs about a microsecond
 
 Both schedulers get the same wrappers (installed after the LLM is built, before warm-up).
 Reps alternate the schedulers (each rep a fresh process per scheduler and spec, the order
@@ -83,6 +87,9 @@ SCHED_METHODS = (
     "update_draft_token_ids",
     "update_draft_token_ids_in_output",
 )
+#: The adapter's calls into its Rust bridge (``DFlashRsScheduler._out.bridge``) that
+#: ``--breakdown`` times: what is left of the scheduler's time is the adapter's Python.
+BRIDGE_METHODS = ("schedule", "scheduler_output", "engine_outputs", "scheduler_stats")
 TARGET_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -142,6 +149,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="wall",
         help="what the steps and the scheduler's calls are timed in: wall time, or the engine "
         "thread's CPU time",
+    )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="dflash-rs: also time the adapter's calls into its Rust bridge (each timed call "
+        "costs about a microsecond more), to split its time into Rust and the adapter's Python",
     )
     p.add_argument("--worker-timeout", type=int, default=900, help="seconds per engine process")
     p.add_argument("--json", dest="json_out", default=None)
@@ -209,6 +222,8 @@ class Timers:
         self.calls: dict[str, int] = {m: 0 for m in SCHED_METHODS}
         #: Every timed call in order: (method, seconds).
         self.call_log: list[tuple[str, float]] = []
+        #: ``--breakdown``: the bridge's calls, per method (seconds each).
+        self.bridge: dict[str, list[float]] = {}
 
     def median_ms_by_method(self) -> dict[str, float]:
         """Each method's median call in ms (only methods that were called)."""
@@ -245,6 +260,29 @@ class Timers:
                 self.depth = 0
 
         return timed
+
+    def wrap_bridge(self, sched: Any) -> list[str]:
+        """``--breakdown``: times the adapter's calls into its Rust bridge (each call, nested
+        or not, as the bridge does its work inside the scheduler's methods). Only
+        ``DFlashRsScheduler`` has one; returns the methods timed."""
+        outputs = getattr(sched, "_out", None)
+        if outputs is None or not hasattr(outputs, "bridge"):
+            return []
+        proxy = TimedBridge(outputs.bridge, self)
+        outputs.bridge = proxy
+        return list(proxy.timed)
+
+    def bridge_summary(self) -> dict[str, Any]:
+        """The bridge's seconds and median call (ms) per method, and the scheduler's seconds
+        outside it (the adapter's Python and the vLLM objects it handles there)."""
+        bridge_s = {name: sum(dts) for name, dts in self.bridge.items()}
+        return {
+            "bridge_s_by_method": bridge_s,
+            "bridge_p50_ms_by_method": {
+                name: 1e3 * statistics.median(dts) for name, dts in self.bridge.items() if dts
+            },
+            "adapter_python_s": sum(self.sched.values()) - sum(bridge_s.values()),
+        }
 
     def wrap_core(self, core: Any) -> None:
         """A step, as InprocClient.get_output() drives it: ``step_fn()`` + ``post_step()``."""
@@ -294,6 +332,33 @@ def prompts(seed: int, count: int, length: int, vocab: int) -> list[dict[str, li
     ]
 
 
+class TimedBridge:
+    """Stands in for the adapter's Rust bridge: the methods in ``BRIDGE_METHODS`` are timed
+    into ``timers.bridge``, everything else is the bridge's own."""
+
+    def __init__(self, bridge: Any, timers: Timers) -> None:
+        self._bridge = bridge
+        self.timed = [name for name in BRIDGE_METHODS if hasattr(bridge, name)]
+        for name in self.timed:
+            setattr(self, name, self._timed(name, getattr(bridge, name), timers))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bridge, name)
+
+    @staticmethod
+    def _timed(name: str, fn: Any, timers: Timers) -> Any:
+        pc = timers.clock
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = pc()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timers.bridge.setdefault(name, []).append(pc() - t0)
+
+        return timed
+
+
 def worker(job: dict[str, Any]) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     t_start = time.perf_counter()
@@ -335,6 +400,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     step_fn_name = getattr(core.step_fn, "__name__", str(core.step_fn))
     timers = Timers.for_args(a)
     wrapped = timers.wrap_scheduler(sched)
+    bridge_timed = timers.wrap_bridge(sched) if a.breakdown else []
     timers.wrap_core(core)
     startup_s = time.perf_counter() - t_start
     sp = SamplingParams(temperature=0, max_tokens=a.gen_len, ignore_eos=True, detokenize=False)
@@ -386,6 +452,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
                         :6
                     ]
                 ],
+                **(timers.bridge_summary() if bridge_timed else {}),
                 "outputs_sha256": h.hexdigest(),
                 # contention diagnostics: CPU seconds of this process per wall second of
                 # generate (about the torch thread count when it had the cores to itself)
@@ -405,6 +472,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             "step_fn": step_fn_name,
             "async_scheduling": bool(getattr(core, "async_scheduling", False)),
             "wrapped_methods": wrapped,
+            "bridge_timed_methods": bridge_timed,
             "cpu_dflash_workaround": workaround,
             "torch_threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -492,6 +560,12 @@ def run_worker(job: dict[str, Any], root: str, timeout: int) -> dict[str, Any]:
     }
 
 
+def rust_share(result: dict[str, Any]) -> float:
+    """``--breakdown``: the share of the scheduler's time spent inside the Rust bridge."""
+    sched_s = result["sched_s"]
+    return sum(result["bridge_s_by_method"].values()) / sched_s if sched_s else math.nan
+
+
 def median(xs: list[float]) -> float:
     xs = [x for x in xs if not math.isnan(x)]
     return statistics.median(xs) if xs else math.nan
@@ -536,6 +610,20 @@ def summarize(a: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, An
                     "generate_s": median([x["generate_s"] for x in xs]),
                     "cpu_util": median([x["cpu_util"] for x in xs]),
                 }
+                timed = [x for x in xs if "adapter_python_s" in x and x["steps"]]
+                if timed:  # --breakdown
+                    cell[side]["breakdown"] = {
+                        "rust_share_of_scheduler": median([rust_share(x) for x in timed]),
+                        "adapter_python_ms_per_step": median(
+                            [1e3 * x["adapter_python_s"] / x["steps"] for x in timed]
+                        ),
+                        "bridge_p50_ms_by_method": {
+                            name: median(
+                                [x["bridge_p50_ms_by_method"].get(name, math.nan) for x in timed]
+                            )
+                            for name in timed[0]["bridge_p50_ms_by_method"]
+                        },
+                    }
             v, d = per_rep.get("vllm", {}), per_rep.get("dflash-rs", {})
             ratios = [d[r]["tok_s"] / v[r]["tok_s"] for r in sorted(set(v) & set(d))]
             if ratios:
@@ -656,6 +744,11 @@ def main(argv: list[str]) -> int:
                         msg = "; ".join(
                             f"N={x['n']} {x['tok_s']:,.0f} tok/s, step {x['step_mean_ms']:.2f} "
                             f"ms, sched {100 * x['sched_share']:.1f}%, cpu x{x['cpu_util']:.1f}"
+                            + (
+                                f", {100 * rust_share(x):.0f}% of it in Rust"
+                                if "bridge_s_by_method" in x
+                                else ""
+                            )
                             for x in doc["results"]
                         )
                     print(

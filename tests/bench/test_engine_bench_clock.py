@@ -62,3 +62,47 @@ def test_the_median_call_of_each_method() -> None:
     timers.call_log += [("schedule", 0.002), ("update_from_output", 0.006)]
     medians = timers.median_ms_by_method()
     assert medians == pytest.approx({"schedule": 2.0, "update_from_output": 5.0})
+
+
+class FakeBridge:
+    """The adapter's Rust bridge as ``--breakdown`` sees it: calls, and an attribute."""
+
+    num_spec_tokens = 3
+
+    def schedule(self, throttle: bool, k: int) -> tuple[bool, int]:
+        return throttle, k
+
+    def engine_outputs(self, step: str) -> str:
+        raise ValueError(step)
+
+
+class FakeAdapter:
+    def __init__(self) -> None:
+        self._out = type("Outputs", (), {})()
+        self._out.bridge = FakeBridge()
+
+    def schedule(self) -> tuple[bool, int]:
+        return self._out.bridge.schedule(False, self._out.bridge.num_spec_tokens)
+
+
+def test_the_breakdown_times_the_bridge_calls_inside_the_schedulers_calls() -> None:
+    bench = load_bench()
+    timers = bench.Timers.for_args(bench.parse_args(["--breakdown"]))
+    sched = FakeAdapter()
+    timers.wrap_scheduler(sched)
+    assert timers.wrap_bridge(sched) == ["schedule", "engine_outputs"]
+
+    for _ in range(3):
+        assert sched.schedule() == (False, 3)  # arguments and results pass through
+    with pytest.raises(ValueError, match="step"):
+        sched._out.bridge.engine_outputs("step")  # so do exceptions, timed all the same
+
+    assert [len(timers.bridge[m]) for m in ("schedule", "engine_outputs")] == [3, 1]
+    summary = timers.bridge_summary()
+    bridge_s = sum(summary["bridge_s_by_method"].values())
+    assert 0 < bridge_s and summary["adapter_python_s"] == pytest.approx(
+        sum(timers.sched.values()) - bridge_s
+    )
+    assert set(summary["bridge_p50_ms_by_method"]) == {"schedule", "engine_outputs"}
+    # A scheduler without a bridge (vLLM's own) is left alone.
+    assert timers.wrap_bridge(SleepyScheduler()) == []

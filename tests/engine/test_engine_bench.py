@@ -23,7 +23,7 @@ def test_the_engine_bench_runs_end_to_end_with_the_cpu_clock(tmp_path: Path) -> 
     out = tmp_path / "e2e.json"
     cmd = [sys.executable, str(BENCH), "--n", "4", "--spec", "none", "--reps", "1"]
     cmd += ["--prompt-len", "8", "--gen-len", "4", "--warmup-requests", "1", "--threads", "1"]
-    cmd += ["--clock", "cpu", "--json", str(out)]
+    cmd += ["--clock", "cpu", "--breakdown", "--json", str(out)]
     subprocess.run(cmd, check=True, timeout=600, capture_output=True)
     doc = json.loads(out.read_text())
     assert doc["timing"].startswith("steps and scheduler calls in the engine thread's CPU time")
@@ -34,3 +34,11 @@ def test_the_engine_bench_runs_end_to_end_with_the_cpu_clock(tmp_path: Path) -> 
         assert 0 < result["sched_share"] < 1
         # The engine thread's CPU time in its steps is at most the generate call's wall time.
         assert 0 < result["step_total_s"] <= result["generate_s"]
+        if run["side"] == "vllm":
+            assert "bridge_s_by_method" not in result  # no bridge to time
+            continue
+        # --breakdown: the Rust bridge's calls happen inside the scheduler's.
+        bridge_s = result["bridge_s_by_method"]
+        assert {"schedule", "engine_outputs", "scheduler_stats"} <= set(bridge_s)
+        assert 0 < sum(bridge_s.values()) < result["sched_s"]
+        assert result["adapter_python_s"] > 0
