@@ -643,6 +643,24 @@ def fmt(x: float, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def print_breakdown(a: argparse.Namespace, summary: dict[str, Any]) -> None:
+    """``--breakdown``: a line per dflash-rs cell, below the table."""
+    for spec in a.specs:
+        for n in a.ns:
+            b = summary[f"{spec}/{n}"].get("dflash-rs", {}).get("breakdown")
+            if b is None:
+                continue
+            calls = ", ".join(
+                f"{name} {fmt(1e3 * ms, '.1f')}"
+                for name, ms in b["bridge_p50_ms_by_method"].items()
+            )
+            print(
+                f"breakdown {spec} N={n}: {fmt(100 * b['rust_share_of_scheduler'], '.0f')}% of "
+                f"dflash-rs's time in Rust, {fmt(b['adapter_python_ms_per_step'], '.3f')} ms a "
+                f"step outside it; the bridge's median calls (µs): {calls}"
+            )
+
+
 def print_table(a: argparse.Namespace, summary: dict[str, Any], markdown: bool) -> None:
     head = (
         "spec",
@@ -784,6 +802,7 @@ def main(argv: list[str]) -> int:
         f"medians of {a.reps} reps; wall {doc['wall_s']:.0f} s"
     )
     print_table(a, summary, a.markdown)
+    print_breakdown(a, summary)
     return 0 if len(ok) == len(runs) else 1
 
 

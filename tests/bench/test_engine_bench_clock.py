@@ -106,3 +106,24 @@ def test_the_breakdown_times_the_bridge_calls_inside_the_schedulers_calls() -> N
     assert set(summary["bridge_p50_ms_by_method"]) == {"schedule", "engine_outputs"}
     # A scheduler without a bridge (vLLM's own) is left alone.
     assert timers.wrap_bridge(SleepyScheduler()) == []
+
+
+def test_the_breakdown_is_printed_below_the_table_for_dflash_rs_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bench = load_bench()
+    a = bench.parse_args(["--n", "256", "--spec", "none", "--breakdown"])
+    breakdown = {
+        "rust_share_of_scheduler": 0.69,
+        "adapter_python_ms_per_step": 0.116,
+        "bridge_p50_ms_by_method": {"schedule": 0.0893, "engine_outputs": 0.0887},
+    }
+    summary = {"none/256": {"vllm": {"reps": 1}, "dflash-rs": {"breakdown": breakdown}}}
+    bench.print_breakdown(a, summary)
+    assert capsys.readouterr().out.splitlines() == [
+        "breakdown none N=256: 69% of dflash-rs's time in Rust, 0.116 ms a step outside it; "
+        "the bridge's median calls (µs): schedule 89.3, engine_outputs 88.7"
+    ]
+    del summary["none/256"]["dflash-rs"]["breakdown"]
+    bench.print_breakdown(a, summary)
+    assert capsys.readouterr().out == ""
