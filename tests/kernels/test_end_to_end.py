@@ -423,7 +423,14 @@ def test_mixed_serving_is_owned(k, policy, seeded_rng):
         k, num_blocks=14, max_model_len=208, max_num_batched_tokens=32, policy=policy
     )
     bases = [prompt(48, 40 + b) for b in range(3)]
-    arrivals: Dict[int, List[Request]] = {}
+    # Two first arrivals that share a 48-token prefix: the second is admitted in the next
+    # step, onto the first's cached blocks, whatever the random arrivals below do.
+    arrivals: Dict[int, List[Request]] = {
+        0: [
+            Request(name, bases[0] + prompt(4, 900 + j, offset=60000), 30, arrival_time=j - 2.0)
+            for j, name in enumerate(("a0", "a1"))
+        ]
+    }
     for i in range(20):
         shared = int(rng.integers(0, 49))
         tail = prompt(int(rng.integers(0 if shared else 1, 33)), 1000 + i, offset=60000)
