@@ -89,7 +89,13 @@ SCHED_METHODS = (
 )
 #: The adapter's calls into its Rust bridge (``DFlashRsScheduler._out.bridge``) that
 #: ``--breakdown`` times: what is left of the scheduler's time is the adapter's Python.
-BRIDGE_METHODS = ("schedule", "scheduler_output", "engine_outputs", "scheduler_stats")
+BRIDGE_METHODS = (
+    "schedule",
+    "scheduler_output",
+    "engine_outputs",
+    "scheduler_stats",
+    "update_draft_token_ids",
+)
 TARGET_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",

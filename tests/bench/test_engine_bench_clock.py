@@ -75,6 +75,12 @@ class FakeBridge:
     def engine_outputs(self, step: str) -> str:
         raise ValueError(step)
 
+    def update_draft_token_ids(self, drafts: object) -> int:
+        return 0
+
+    def forget_previous_step(self) -> None:
+        """Not a per-step call: left untimed."""
+
 
 class FakeAdapter:
     def __init__(self) -> None:
@@ -90,7 +96,9 @@ def test_the_breakdown_times_the_bridge_calls_inside_the_schedulers_calls() -> N
     timers = bench.Timers.for_args(bench.parse_args(["--breakdown"]))
     sched = FakeAdapter()
     timers.wrap_scheduler(sched)
-    assert timers.wrap_bridge(sched) == ["schedule", "engine_outputs"]
+    # Every per-step call into the bridge, the drafts' included (their time is Rust's).
+    assert timers.wrap_bridge(sched) == ["schedule", "engine_outputs", "update_draft_token_ids"]
+    assert sched._out.bridge.forget_previous_step() is None  # passed through, untimed
 
     for _ in range(3):
         assert sched.schedule() == (False, 3)  # arguments and results pass through
