@@ -436,7 +436,7 @@ impl KvCacheManager {
             self.pool.touch(hits);
             req.block_ids.extend_from_slice(hits);
             req.num_cached_blocks = hits.len();
-            req.cached_fingerprint = None;
+            req.set_cached_fingerprint(None);
         }
         let first_new = req.block_ids.len();
         let num_new_blocks = cdiv(need_slot, self.block_size).saturating_sub(first_new);
@@ -596,7 +596,7 @@ impl KvCacheManager {
                 .checked_sub(1)
                 .map_or(NULL_BLOCK, |p| req.block_ids[p]),
             extra: seq.extra,
-            parent_fingerprint: req.cached_fingerprint,
+            parent_fingerprint: req.cached_fingerprint(),
         };
         if self.pool.kv_events_on() {
             let bs = self.block_size;
@@ -610,11 +610,12 @@ impl KvCacheManager {
                 self.hash_lookahead_tokens,
             );
         }
-        req.cached_fingerprint = self.pool.cache_full_blocks(
+        let fingerprint = self.pool.cache_full_blocks(
             &req.block_ids[range.clone()],
             &seq.block_hashes[range],
             src,
         );
+        req.set_cached_fingerprint(fingerprint);
         req.num_cached_blocks = num_full;
     }
 
@@ -630,7 +631,7 @@ impl KvCacheManager {
         }
         if from < req.num_cached_blocks {
             req.num_cached_blocks = from;
-            req.cached_fingerprint = None;
+            req.set_cached_fingerprint(None);
         }
     }
 
@@ -639,7 +640,7 @@ impl KvCacheManager {
         self.pool.free_blocks(req.block_ids.iter().rev().copied());
         req.block_ids.clear();
         req.num_cached_blocks = 0;
-        req.cached_fingerprint = None;
+        req.set_cached_fingerprint(None);
     }
 
     /// Checks the pool against the block lists of every live request.

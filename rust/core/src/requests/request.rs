@@ -147,12 +147,13 @@ impl StopRules {
 /// A request inside the scheduler.
 ///
 /// Fields are laid out in declaration order (`repr(C)`), hottest first, for the slot record
-/// that holds it (`request_store`): line 0 holds the status and counters, line 1 the
-/// token and hash vectors and the length stops, line 2 the other stop rules and the block
-/// vector, line 3 the drafts. Applying a step's output reads lines 0-2 (and 3 when it
-/// registers a block); what only admission or the API reads comes last. A step touches every
-/// running request, so lines per request are what a step costs once the engine's own work has
-/// evicted them.
+/// that holds it (`request_store`, a line-aligned slot): line 0 holds the slot's generation and
+/// row, the status and the counters; line 1 the token and block vectors; line 2 the stop rules;
+/// lines 3-4 the drafts (their length word last, on line 4) and the block hashes (line 4).
+/// Scheduling a running request reads lines 0-1 and the drafts' length; applying its output
+/// lines 0-2 (and the hashes when it completes a block); what only admission or the API reads
+/// comes last. A step touches every running request, so lines per request are what a
+/// step costs once the engine's own work has evicted them (a test pins the lines).
 #[derive(Debug, Clone)]
 #[repr(C)]
 pub struct Request {
@@ -176,15 +177,15 @@ pub struct Request {
     pub num_prompt_tokens: usize,
     /// Prompt followed by accepted output tokens.
     pub tokens: Vec<u32>,
-    /// Hashes of every full block of `tokens` (empty when caching is off).
-    pub block_hashes: Vec<BlockHash>,
-    /// When to stop.
-    pub stop: StopRules,
     /// Blocks held.
     pub blocks: RequestBlocks,
+    /// When to stop.
+    pub stop: StopRules,
     /// Draft tokens proposed for the next step, inline up to `INLINE_DRAFTS` so a step reads
     /// them from the request itself, not from one more heap line per request.
     pub spec_token_ids: SmallVec<[u32; INLINE_DRAFTS]>,
+    /// Hashes of every full block of `tokens` (empty when caching is off).
+    pub block_hashes: Vec<BlockHash>,
     /// What was submitted. Its `prompt_token_ids` moved into `tokens` (the prompt is kept
     /// once, as the first `num_prompt_tokens` of `tokens`) and its `stop_token_ids` into
     /// `stop`, which holds the stop rules.

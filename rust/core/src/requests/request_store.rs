@@ -6,9 +6,11 @@ use hashbrown::HashMap;
 use crate::error::{broken, CoreError, CoreResult};
 use crate::requests::request::Request;
 
-/// `repr(C)`: the generation and row sit right before the request's hot first fields.
+/// `repr(C)`, on a cache line of its own: the generation and row sit right before the
+/// request's hot first fields, so that the slot's lines are the ones [`Request`]'s layout
+/// names (a record that straddled lines would cost a step one more miss a request).
 #[derive(Debug, Clone, Default)]
-#[repr(C)]
+#[repr(C, align(64))]
 struct Slot {
     generation: u32,
     /// Block-table row while the request is running.
@@ -135,14 +137,10 @@ impl RequestStore {
     }
 
     /// Prefetches the first two lines of the record of the request in `slot` (its state and
-    /// counters, its token and hash vectors): what reading its counts touches.
+    /// counters, its token and block vectors): what reading its counts touches.
     pub fn prefetch_record(&self, slot: u32) {
-        if let Some(r) = self
-            .slots
-            .get(slot as usize)
-            .and_then(|s| s.request.as_ref())
-        {
-            let first: *const Request = r;
+        if let Some(s) = self.slots.get(slot as usize) {
+            let first: *const Slot = s;
             crate::memory::prefetch::read(first);
             crate::memory::prefetch::read(first.cast::<u8>().wrapping_add(64));
         }
@@ -209,6 +207,58 @@ mod tests {
             ..RequestSpec::default()
         };
         Request::new(spec, 0, None, 64)
+    }
+
+    /// The lines of a slot that `Request`'s layout names: what a step reads of every running
+    /// request lies in the slot's first two lines (the counters; the token and block vectors),
+    /// the stop rules that applying its output reads in the third.
+    #[test]
+    fn a_steps_fields_lie_in_the_lines_the_layout_names() {
+        use crate::requests::kv_view::RequestBlocks;
+        use crate::requests::request::StopRules;
+        use std::mem::{align_of, offset_of, size_of};
+        fn lines(offset: usize, size: usize) -> (usize, usize) {
+            (offset / 64, (offset + size - 1) / 64)
+        }
+        assert_eq!(align_of::<Slot>(), 64);
+        assert_eq!(size_of::<Slot>() % 64, 0);
+        let request = offset_of!(Slot, request);
+        let field = |offset: usize, size: usize| lines(request + offset, size);
+        assert_eq!(lines(offset_of!(Slot, generation), 4), (0, 0));
+        assert_eq!(
+            lines(offset_of!(Slot, row), size_of::<Option<u32>>()),
+            (0, 0)
+        );
+        let counters = offset_of!(Request, status);
+        let counters_end = offset_of!(Request, num_prompt_tokens) + size_of::<usize>() - counters;
+        assert_eq!(field(counters, counters_end), (0, 0));
+        assert_eq!(
+            field(offset_of!(Request, num_computed_tokens), size_of::<usize>()),
+            (0, 0)
+        );
+        let blocks = offset_of!(Request, blocks);
+        assert_eq!(
+            field(offset_of!(Request, tokens), size_of::<Vec<u32>>()),
+            (1, 1)
+        );
+        assert_eq!(
+            field(
+                blocks + offset_of!(RequestBlocks, block_ids),
+                size_of::<Vec<u32>>()
+            ),
+            (1, 1)
+        );
+        assert_eq!(
+            field(
+                blocks + offset_of!(RequestBlocks, num_cached_blocks),
+                size_of::<usize>()
+            ),
+            (1, 1)
+        );
+        assert_eq!(
+            field(offset_of!(Request, stop), size_of::<StopRules>()),
+            (2, 2)
+        );
     }
 
     /// A slot's request is found while it is live and never after it was removed: the slot
