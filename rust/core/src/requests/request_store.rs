@@ -209,9 +209,10 @@ mod tests {
         Request::new(spec, 0, None, 64)
     }
 
-    /// The lines of a slot that `Request`'s layout names: what a step reads of every running
-    /// request lies in the slot's first two lines (the counters; the token and block vectors),
-    /// the stop rules that applying its output reads in the third.
+    /// The lines of a slot that `Request`'s layout names: what scheduling reads of every
+    /// running request, but the drafts' length, lies in the slot's first two lines (the
+    /// counters; the token and block vectors), the stop rules that applying its output reads
+    /// in the third.
     #[test]
     fn a_steps_fields_lie_in_the_lines_the_layout_names() {
         use crate::requests::kv_view::RequestBlocks;
