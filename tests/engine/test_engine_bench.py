@@ -1,4 +1,5 @@
-"""``benches/vllm_engine_e2e.py`` runs end to end in vLLM's CPU engine (two engines: slow).
+"""``benches/vllm_engine_e2e.py`` runs end to end in vLLM's CPU engine, and
+``benches/vllm_server_e2e.py`` behind its OpenAI-compatible server (two engines each: slow).
 That ``--clock`` picks the clock is checked without an engine, in
 ``tests/bench/test_engine_bench_clock.py``."""
 
@@ -42,3 +43,24 @@ def test_the_engine_bench_runs_end_to_end_with_the_cpu_clock(tmp_path: Path) -> 
         assert {"schedule", "engine_outputs", "scheduler_stats"} <= set(bridge_s)
         assert 0 < sum(bridge_s.values()) < result["sched_s"]
         assert result["adapter_python_s"] > 0
+
+
+SERVER_BENCH = BENCH.with_name("vllm_server_e2e.py")
+
+
+def test_the_server_bench_runs_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "server.json"
+    cmd = [sys.executable, str(SERVER_BENCH), "--n", "4", "--spec", "none", "--reps", "1"]
+    cmd += ["--batches", "2", "--prompt-len", "8", "--gen-len", "4", "--json", str(out)]
+    subprocess.run(cmd, check=True, timeout=900, capture_output=True)
+    doc = json.loads(out.read_text())
+    assert {run["side"] for run in doc["runs"]} == {"vllm", "dflash-rs"}
+    for run in doc["runs"]:
+        assert "error" not in run, run
+        (result,) = run["results"]
+        assert len(result["batch_wall_s"]) == 2
+        assert result["tok_s"] > 0
+        assert 0 < result["latency_p50_s"] <= result["latency_p99_s"]
+    cell = doc["summary"]["none/4"]
+    assert cell["paired_tok_s_ratio"]["median"] > 0
+    assert isinstance(cell["outputs_identical"], bool)
