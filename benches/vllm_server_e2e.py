@@ -102,7 +102,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_command(a: argparse.Namespace, dirs: dict[str, str], side: str, spec: str, port: int):
+def server_command(
+    a: argparse.Namespace, dirs: dict[str, str], side: str, spec: str, port: int
+) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
