@@ -166,7 +166,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", dest="json_out", default=None)
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    return parse_lists(p, p.parse_args(argv))
+
+
+def parse_lists(p: argparse.ArgumentParser, a: argparse.Namespace) -> argparse.Namespace:
+    """Splits ``--n``, ``--spec`` and ``--sides`` into ``ns``, ``specs`` and ``side_list``,
+    refusing unknown methods and schedulers."""
     a.ns = [int(x) for x in a.n.split(",") if x]
     a.specs = [x for x in a.spec.split(",") if x]
     a.side_list = [x for x in a.sides.split(",") if x]
@@ -177,6 +182,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if s not in SIDES:
             p.error(f"unknown scheduler {s!r} (known: {', '.join(SIDES)})")
     return a
+
+
+def write_model_dirs(root: str) -> dict[str, str]:
+    """The target's and the drafter's config-only directories under ``root``."""
+    dirs = {}
+    for name, cfg in (("target", TARGET_CONFIG), ("draft", DRAFT_CONFIG)):
+        d = os.path.join(root, name)
+        os.makedirs(d)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+        dirs[name] = d
+    return dirs
 
 
 # --------------------------------------------------------------------------
@@ -741,13 +758,7 @@ def main(argv: list[str]) -> int:
     runs: list[dict[str, Any]] = []
     jobs_args = {k: v for k, v in vars(a).items() if k not in ("worker", "json_out")}
     with tempfile.TemporaryDirectory(prefix="dflash-rs-engine-e2e-") as root:
-        dirs = {}
-        for name, cfg in (("target", TARGET_CONFIG), ("draft", DRAFT_CONFIG)):
-            d = os.path.join(root, name)
-            os.makedirs(d)
-            with open(os.path.join(d, "config.json"), "w") as f:
-                json.dump(cfg, f, indent=1)
-            dirs[name] = d
+        dirs = write_model_dirs(root)
         for rep in range(a.reps):
             for spec in a.specs:
                 r = rep % len(a.side_list)

@@ -45,7 +45,14 @@ import tempfile
 import time
 from typing import Any
 
-from vllm_engine_e2e import DRAFT_CONFIG, SIDES, TARGET_CONFIG, machine
+from vllm_engine_e2e import (
+    SIDES,
+    TARGET_CONFIG,
+    machine,
+    parse_lists,
+    percentile,
+    write_model_dirs,
+)
 
 #: The test-only plugin that fixes vLLM's CPU build for DFlash (tests/engine/plugin).
 CPU_FIX_PLUGIN = "dflash_rs_test_cpu_fixes"
@@ -69,29 +76,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=int, default=600, help="seconds per server start")
     p.add_argument("--json", dest="json_out", default=None)
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
-    a = p.parse_args(argv)
-    a.ns = [int(x) for x in a.n.split(",") if x]
-    a.specs = [x for x in a.spec.split(",") if x]
-    a.side_list = [x for x in a.sides.split(",") if x]
-    for s in a.specs:
-        if s not in ("none", "dflash"):
-            p.error(f"unknown --spec {s!r}")
-    for s in a.side_list:
-        if s not in SIDES:
-            p.error(f"unknown scheduler {s!r} (known: {', '.join(SIDES)})")
-    return a
+    return parse_lists(p, p.parse_args(argv))
 
 
 def write_models(root: str) -> dict[str, str]:
+    """The engine bench's model directories, the target with the offline tokenizer."""
     from dflash_rs.bench.offline_models import write_tokenizer
 
-    dirs = {}
-    for name, cfg in (("target", TARGET_CONFIG), ("draft", DRAFT_CONFIG)):
-        d = os.path.join(root, name)
-        os.makedirs(d)
-        with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=1)
-        dirs[name] = d
+    dirs = write_model_dirs(root)
     write_tokenizer(dirs["target"])
     return dirs
 
@@ -170,14 +162,6 @@ async def batch(url: str, prompts: list[list[int]], gen_len: int) -> dict[str, A
     if {len(x) for x in tokens} != {gen_len}:
         raise RuntimeError(f"generated lengths {sorted({len(x) for x in tokens})}")
     return {"wall_s": wall, "tokens": tokens, "latencies_s": [d[1] for d in done]}
-
-
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    i = (len(s) - 1) * q / 100.0
-    lo = int(i)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (i - lo)
 
 
 def serve_rep(
