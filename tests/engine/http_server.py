@@ -1,5 +1,6 @@
 """vLLM's OpenAI-compatible HTTP server for the real-engine tests: its command line, one running
-server (its process group, log and URL) and the HTTP calls the tests make.
+server (its process group, log and URL), the HTTP calls the tests make, and a test's phases run
+against a server of each scheduler (``run_sides``, ``run_phases``).
 
 Two launchers start the same server:
 
@@ -23,9 +24,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from engine_parity import SIDES, write_models
 
 TIMEOUT = float(os.environ.get("DFLASH_RS_ENGINE_TIMEOUT", "600"))
+JOBS = int(os.environ.get("DFLASH_RS_ENGINE_JOBS", "2"))
 VLLM_CLI = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_cli.py")
 #: vLLM's own line, printed by the engine process when it builds a custom scheduler class.
 CUSTOM = re.compile(r"EngineCore.*Using custom scheduler class dflash_rs\.vllm\.DFlashRsScheduler")
@@ -234,3 +239,40 @@ class Server:
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+#: A test's phases against one ready server, given its deadline; returns what the tests compare.
+Phases = Callable[["Server", float], dict[str, Any]]
+
+
+def run_phases(server: Server, phases: Phases) -> dict[str, Any]:
+    """Waits for ``server``, runs ``phases`` and stops it; what they return plus the server's
+    log, or the error and the log (reported by the tests)."""
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        server.wait_ready(deadline)
+        return {**phases(server, deadline), "log": server.log()}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "log": server.log()}
+    finally:
+        server.stop()
+
+
+def run_sides(
+    root: str, serve: Callable[[dict[str, str], str, str], dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Writes the tiny models under ``root``, then runs ``serve(models, root, scheduler)`` for
+    both schedulers, ``JOBS`` at a time."""
+    from dflash_rs.bench.offline_models import write_tokenizer
+
+    models = write_models(root)
+    write_tokenizer(models["qwen3"])
+    with ThreadPoolExecutor(max_workers=max(1, JOBS)) as pool:
+        futures = {s: pool.submit(serve, models, root, s) for s in SIDES}
+        return {s: f.result() for s, f in futures.items()}
+
+
+def ok(run: dict[str, Any]) -> dict[str, Any]:
+    """A side's run, asserted free of errors (the message carries the server's log's end)."""
+    assert "error" not in run, f"{run['error']}\n{run['log'][-6000:]}"
+    return run

