@@ -647,19 +647,39 @@ def summarize(a: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, An
                             for name in timed[0]["bridge_p50_ms_by_method"]
                         },
                     }
-            v, d = per_rep.get("vllm", {}), per_rep.get("dflash-rs", {})
-            ratios = [d[r]["tok_s"] / v[r]["tok_s"] for r in sorted(set(v) & set(d))]
-            if ratios:
-                cell["paired_tok_s_ratio"] = {
-                    "what": "dflash-rs tok/s / vllm tok/s, same rep",
-                    "median": statistics.median(ratios),
-                    "min": min(ratios),
-                    "max": max(ratios),
-                }
-                same = [d[r]["outputs_sha256"] == v[r]["outputs_sha256"] for r in v if r in d]
-                cell["outputs_identical"] = all(same)
+            cell.update(paired(per_rep))
             summary[f"{spec}/{n}"] = cell
     return summary
+
+
+def paired(per_rep: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """A cell's paired tok/s ratio over the reps both schedulers completed (each side's
+    result by rep), and whether their outputs were identical in all of them; empty without
+    such a rep."""
+    v, d = per_rep.get("vllm", {}), per_rep.get("dflash-rs", {})
+    reps = sorted(set(v) & set(d))
+    if not reps:
+        return {}
+    ratios = [d[r]["tok_s"] / v[r]["tok_s"] for r in reps]
+    return {
+        "paired_tok_s_ratio": {
+            "what": "dflash-rs tok/s / vllm tok/s, same rep",
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+        },
+        "outputs_identical": all(d[r]["outputs_sha256"] == v[r]["outputs_sha256"] for r in reps),
+    }
+
+
+def ratio_text(cell: dict[str, Any]) -> str:
+    """A cell's paired ratio as the tables show it: median (min-max), flagged when outputs
+    differed."""
+    pr = cell.get("paired_tok_s_ratio")
+    if not pr:
+        return ""
+    text = f"{pr['median']:.3f} ({pr['min']:.3f}-{pr['max']:.3f})"
+    return text if cell.get("outputs_identical", True) else text + ", outputs differ"
 
 
 def fmt(x: float, spec: str) -> str:
@@ -703,10 +723,7 @@ def print_table(a: argparse.Namespace, summary: dict[str, Any], markdown: bool) 
     for spec in a.specs:
         for n in a.ns:
             cell = summary[f"{spec}/{n}"]
-            pr = cell.get("paired_tok_s_ratio")
-            ratio = f"{pr['median']:.3f} ({pr['min']:.3f}-{pr['max']:.3f})" if pr else ""
-            if pr and not cell.get("outputs_identical", True):
-                ratio += " outputs differ"
+            ratio = ratio_text(cell)
             for i, side in enumerate(a.side_list):
                 c = cell[side]
                 label = f"{spec} K={a.k}" if spec == "dflash" else spec
@@ -730,6 +747,12 @@ def print_table(a: argparse.Namespace, summary: dict[str, Any], markdown: bool) 
                         ratio if i == len(a.side_list) - 1 else "",
                     )
                 )
+    render_table(head, rows, markdown)
+
+
+def render_table(head: tuple[str, ...], rows: list[tuple[str, ...]], markdown: bool) -> None:
+    """Prints a results table: three label columns, then numbers (right-aligned); a row whose
+    fourth column starts with "failed" carries its error there."""
     if markdown:
         print("| " + " | ".join(head) + " |")
         print("|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|")

@@ -49,8 +49,11 @@ from vllm_engine_e2e import (
     SIDES,
     TARGET_CONFIG,
     machine,
+    paired,
     parse_lists,
     percentile,
+    ratio_text,
+    render_table,
     write_model_dirs,
 )
 
@@ -266,19 +269,7 @@ def summarize(a: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, An
                     "latency_p50_s": statistics.median(x["latency_p50_s"] for x in vals),
                     "latency_p99_s": statistics.median(x["latency_p99_s"] for x in vals),
                 }
-            v, d = per_rep.get("vllm", {}), per_rep.get("dflash-rs", {})
-            reps = sorted(set(v) & set(d))
-            if reps:
-                ratios = [d[r]["tok_s"] / v[r]["tok_s"] for r in reps]
-                cell["paired_tok_s_ratio"] = {
-                    "what": "dflash-rs tok/s / vllm tok/s, same rep",
-                    "median": statistics.median(ratios),
-                    "min": min(ratios),
-                    "max": max(ratios),
-                }
-                cell["outputs_identical"] = all(
-                    d[r]["outputs_sha256"] == v[r]["outputs_sha256"] for r in reps
-                )
+            cell.update(paired(per_rep))
             summary[f"{spec}/{n}"] = cell
     return summary
 
@@ -289,10 +280,7 @@ def print_table(a: argparse.Namespace, summary: dict[str, Any], markdown: bool) 
     for spec in a.specs:
         for n in a.ns:
             cell = summary[f"{spec}/{n}"]
-            pr = cell.get("paired_tok_s_ratio")
-            ratio = f"{pr['median']:.3f} ({pr['min']:.3f}-{pr['max']:.3f})" if pr else ""
-            if pr and not cell.get("outputs_identical", True):
-                ratio += ", outputs differ"
+            ratio = ratio_text(cell)
             label = f"dflash K={a.k}" if spec == "dflash" else spec
             for i, side in enumerate(a.side_list):
                 c = cell[side]
@@ -310,15 +298,7 @@ def print_table(a: argparse.Namespace, summary: dict[str, Any], markdown: bool) 
                         ratio if i == len(a.side_list) - 1 else "",
                     )
                 )
-    if markdown:
-        print("| " + " | ".join(head) + " |")
-        print("|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|")
-        for r in rows:
-            print("| " + " | ".join(r) + " |")
-        return
-    w = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    for r in (head, *rows):
-        print("  ".join(x.ljust(w[i]) if i < 3 else x.rjust(w[i]) for i, x in enumerate(r)))
+    render_table(head, rows, markdown)
 
 
 def cpu_fix_installed() -> bool:
